@@ -1,0 +1,31 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL ?= models/tiny-llama
+
+.PHONY: test serve bench install clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+$(MODEL)/config.json: | $(BIN)/.installed
+	$(BIN)/python -m engine.tiny $(MODEL)
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q tests
+
+serve: $(BIN)/.installed $(MODEL)/config.json
+	$(BIN)/python -m llmapi.demo --model $(MODEL)
+
+bench: $(BIN)/.installed
+	$(BIN)/python -m engine.bench
+
+clean:
+	rm -rf $(VENV) models
