@@ -1,0 +1,59 @@
+"""The paged KV block pool: one arena tensor, block-major, so one block is one contiguous span of memory.
+
+Block-major means a block holds the keys and values of all layers for `block_size` consecutive positions of one
+sequence. A KV transfer then moves one descriptor per block, and a block copy (copy-on-write for n > 1) is one copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two engines must agree on before they exchange blocks."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class KVCache:
+    """Owns the arena; hands out per-layer views. It knows nothing of which request owns which block."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.arena = torch.zeros(
+            (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
+            dtype=layout.torch_dtype,
+            device=device,
+        )
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of layer i's keys and values, each (num_blocks, block_size, num_kv_heads, head_dim)."""
+        return self.arena[:, i, 0], self.arena[:, i, 1]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copies every layer of block src into block dst (copy-on-write when a sequence forks)."""
+        self.arena[dst].copy_(self.arena[src])
+
+    def block_ptr(self, block_id: int) -> int:
+        """Address of a block's first byte: transports describe blocks by (address, block_bytes)."""
+        return self.arena[block_id].data_ptr()

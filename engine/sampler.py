@@ -1,0 +1,92 @@
+"""Sampler: greedy, temperature, top-k, top-p; logprobs with ranks; reproducible seeded draws.
+
+A seeded draw depends only on (seed, candidate index, position), never on the batch or the worker, so a request
+gives the same tokens colocated or disaggregated, alone or batched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from llmapi.outputs import Logprob, TokenLogprobs
+from llmapi.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    params: SamplingParams
+    index: int  # candidate index
+    position: int  # position of the token being sampled
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_id: int
+    logprob: float
+    top_logprobs: TokenLogprobs | None  # chosen token + top-k, when params.logprobs is set
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self._generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
+        """logits: (R, vocab) fp32, one row per entry of rows."""
+        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=torch.float32)
+        logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)  # (R, vocab)
+        tokens = logits.argmax(dim=-1)  # greedy rows keep this; ties go to the lowest index
+        for i, row in enumerate(rows):
+            if not row.params.greedy:
+                tokens[i] = self._draw(logits[i] / row.params.temperature, row)
+        return [self._sample(logprobs[i], int(tokens[i]), row) for i, row in enumerate(rows)]
+
+    def _draw(self, scores: torch.Tensor, row: SampleRow) -> int:
+        scores = apply_top_k_top_p(scores, row.params.top_k, row.params.top_p)
+        probs = torch.softmax(scores, dim=-1)
+        gen = self._generator if row.params.seed is None else _row_generator(row)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p.
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        return int((probs / noise).argmax())
+
+    @staticmethod
+    def _sample(logprobs: torch.Tensor, token: int, row: SampleRow) -> Sample:
+        chosen = float(logprobs[token])
+        k = row.params.logprobs
+        if k is None:
+            return Sample(token, chosen, None)
+        return Sample(token, chosen, top_logprobs(logprobs, token, k))
+
+
+def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The chosen token's logprob and rank plus the k most likely tokens. logprobs: (vocab,)."""
+    chosen = float(logprobs[token])
+    out = {token: Logprob(chosen, int((logprobs > logprobs[token]).sum()) + 1)}
+    if k > 0:
+        values, ids = logprobs.topk(k)
+        for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            out.setdefault(t, Logprob(v, rank))
+    return out
+
+
+def apply_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Masks scores (vocab,) as transformers does: top-k keeps ties with the k-th value; top-p removes the
+    ascending-sorted tokens whose cumulative probability is <= 1 - top_p, always keeping the most likely one."""
+    if 0 < top_k < scores.numel():
+        kth = scores.topk(top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = scores.sort(descending=False)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= 1 - top_p
+        remove[-1] = False
+        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    return scores
+
+
+def _row_generator(row: SampleRow) -> torch.Generator:
+    key = f"{row.params.seed}:{row.index}:{row.position}".encode()
+    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return torch.Generator().manual_seed(seed)

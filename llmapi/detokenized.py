@@ -1,0 +1,61 @@
+"""The post-processing record of one request: EngineResponses (token ids) in, ResultDeltas (text) out.
+
+It runs wherever post-processing runs: in the embedded LLM's loop (no postproc workers) or inside a PostprocWorker.
+"""
+
+from __future__ import annotations
+
+from engine.detokenizer import CandidateText
+from llmapi.outputs import CompletionDelta, EngineResponse, ResultDelta, TokenDelta
+from llmapi.sampling_params import SamplingParams
+
+
+class DetokenizedGenerationResultBase:
+    """Detokenizes each candidate incrementally and applies stop strings.
+
+    handle() returns the delta for the owner and the candidates whose stop string matched (should_abort: the
+    engine must stop them). Once finished, later responses for the request are ignored.
+    """
+
+    def __init__(self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams, tokenizer,
+                 streaming: bool = False):
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.streaming = streaming
+        p = sampling_params
+        self._texts = [
+            CandidateText(tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens, prompt_token_ids)
+            for _ in range(p.num_candidates)
+        ]
+        self._done = [False] * p.num_candidates
+        self.finished = False
+
+    def handle(self, rsp: EngineResponse) -> tuple[ResultDelta | None, list[int]]:
+        if self.finished:
+            return None, []
+        deltas, to_abort = [], []
+        for d in rsp.deltas:
+            if self._done[d.index]:
+                continue
+            delta = self._candidate(d)
+            if delta.finish_reason is not None:
+                self._done[d.index] = True
+                if d.finish_reason is None:
+                    to_abort.append(d.index)
+            deltas.append(delta)
+        self.finished = rsp.finished or all(self._done) or rsp.error is not None
+        result = ResultDelta(
+            rsp.request_id, tuple(deltas), self.finished, rsp.error, rsp.queue_time, rsp.prompt_logprobs,
+            rsp.context_logits, rsp.disaggregated_params,
+        )
+        return result, to_abort
+
+    def _candidate(self, d: TokenDelta) -> CompletionDelta:
+        text = self._texts[d.index]
+        diff, stop = text.add(d.token_ids)
+        finish, stop_reason = d.finish_reason, d.stop_reason
+        if stop is not None:
+            finish, stop_reason = "stop", stop
+        elif finish is not None:
+            diff += text.finish()
+        return CompletionDelta(d.index, diff, d.token_ids, d.cumulative_logprob, d.logprobs, finish, stop_reason)

@@ -1,0 +1,128 @@
+"""Plain output types and the two messages that carry a request's progress.
+
+EngineResponse: engine -> post-processing (token ids, one per candidate per step).
+ResultDelta:    post-processing -> request owner (text and tokens added, finish reasons).
+Nothing here imports the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token
+
+
+# One position's logprobs: the chosen token and the top-k alternatives, token id -> Logprob.
+TokenLogprobs = dict[int, Logprob]
+
+
+class MetricNames(str, Enum):
+    TTFT = "ttft"
+    TPOT = "tpot"
+    E2E = "e2e"
+    REQUEST_QUEUE_TIME = "request_queue_time"
+    PROMPT_TOKENS = "prompt_tokens"
+    GENERATION_TOKENS = "generation_tokens"
+
+
+@dataclass
+class CompletionOutput:
+    """One candidate sequence of a request. The *_diff properties are what changed since the previous streaming step."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    _last_text_len: int = field(default=0, repr=False)
+    _last_token_ids_len: int = field(default=0, repr=False)
+    _last_logprobs_len: int = field(default=0, repr=False)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def text_diff(self) -> str:
+        return self.text[self._last_text_len :]
+
+    @property
+    def token_ids_diff(self) -> list[int]:
+        return self.token_ids[self._last_token_ids_len :]
+
+    @property
+    def logprobs_diff(self) -> list[TokenLogprobs]:
+        return (self.logprobs or [])[self._last_logprobs_len :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def mark_seen(self) -> None:
+        """Starts a new streaming step: the diffs are empty until more arrives."""
+        self._last_text_len = len(self.text)
+        self._last_token_ids_len = len(self.token_ids)
+        self._last_logprobs_len = len(self.logprobs or [])
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One candidate's progress in one engine step."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    cumulative_logprob: float
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class EngineResponse:
+    """What an engine emits for one request in one step (the `rsp` a post-processor receives)."""
+
+    request_id: int
+    deltas: tuple[TokenDelta, ...]
+    finished: bool
+    error: str | None = None
+    queue_time: float | None = None  # seconds from arrival to first schedule, measured on the engine's clock
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    context_logits: Any = None  # torch.Tensor (num_prompt_tokens, vocab), first response only
+    disaggregated_params: Any = None  # DisaggregatedParams for context_only results
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """One candidate's change as the request owner applies it."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    cumulative_logprob: float
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class ResultDelta:
+    """What the request owner applies to its GenerationResult (the `res` of a post-processor's Output)."""
+
+    request_id: int
+    deltas: tuple[CompletionDelta, ...]
+    finished: bool
+    error: str | None = None
+    queue_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    context_logits: Any = None
+    disaggregated_params: Any = None

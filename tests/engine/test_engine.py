@@ -1,0 +1,133 @@
+"""LLMEngine against transformers: greedy tokens and logprobs, under batching, chunking and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from llmapi import SamplingParams
+from tests.engine.parity import Reference, assert_same_tokens
+
+ARCH_VARIANTS = {
+    "llama": dict(attention_bias=True, tie_word_embeddings=True),
+    "qwen2": {},
+    "qwen3": dict(head_dim=48),
+    "mistral": dict(sliding_window=8),
+}
+
+
+def prompts(count: int, lo: int, hi: int, vocab: int = 4000, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def run(engine: LLMEngine, arrivals: dict[int, list[tuple[int, list[int], SamplingParams]]], max_steps: int = 2000):
+    """Steps the engine, adding requests at the given steps; returns request id -> {candidate: (tokens, logprobs)}."""
+    got: dict[int, dict[int, tuple[list[int], list]]] = {}
+    for step in range(max_steps):
+        for rid, prompt, params in arrivals.get(step, []):
+            engine.add_request(rid, prompt, params)
+        for rsp in engine.step():
+            for d in rsp.deltas:
+                tokens, lps = got.setdefault(rsp.request_id, {}).setdefault(d.index, ([], []))
+                tokens.extend(d.token_ids)
+                lps.extend(d.logprobs or [])
+        if step > max(arrivals) and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests(), "engine did not finish"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "blocks leaked"
+    return got
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", list(ARCH_VARIANTS))
+def test_greedy_matches_transformers_per_architecture(model_factory, arch):
+    model_dir = model_factory(arch, **ARCH_VARIANTS[arch])
+    ref = Reference(model_dir)
+    engine = LLMEngine(model_dir, EngineConfig(block_size=4))
+    batch = prompts(5, 3, 40, seed=1)
+    got = run(engine, {0: [(i, p, GREEDY) for i, p in enumerate(batch)]})
+    for i, p in enumerate(batch):
+        tokens, gaps, _ = ref.greedy(p, GREEDY.max_tokens)
+        assert_same_tokens(got[i][0][0], tokens, gaps, f"{arch} prompt {i}")
+
+
+def test_arrivals_while_decoding_with_chunked_prefill(tiny_llama):
+    ref = Reference(tiny_llama)
+    engine = LLMEngine(tiny_llama, EngineConfig(block_size=4, max_num_batched_tokens=16))
+    batch = prompts(6, 20, 60, seed=2)  # every prompt is longer than the per-step budget
+    arrivals = {0: [(0, batch[0], GREEDY), (1, batch[1], GREEDY)], 3: [(2, batch[2], GREEDY)],
+                7: [(3, batch[3], GREEDY), (4, batch[4], GREEDY)], 12: [(5, batch[5], GREEDY)]}
+    got = run(engine, arrivals)
+    for i, p in enumerate(batch):
+        tokens, gaps, _ = ref.greedy(p, GREEDY.max_tokens)
+        assert_same_tokens(got[i][0][0], tokens, gaps, f"prompt {i}")
+
+
+def test_preemption_by_recompute_keeps_tokens(tiny_llama):
+    ref = Reference(tiny_llama)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    # 4 requests of ~40 tokens need ~40 blocks of 4; the pool has 24, so some must be preempted and recomputed.
+    engine = LLMEngine(tiny_llama, EngineConfig(block_size=4, num_blocks=24))
+    batch = prompts(4, 18, 24, seed=3)
+    got = run(engine, {0: [(i, p, params) for i, p in enumerate(batch)]})
+    assert engine.scheduler.num_preemptions > 0
+    for i, p in enumerate(batch):
+        tokens, gaps, _ = ref.greedy(p, params.max_tokens)
+        assert_same_tokens(got[i][0][0], tokens, gaps, f"prompt {i}")
+
+
+def test_logprobs_equal_transformers_log_softmax(tiny_llama):
+    ref = Reference(tiny_llama)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    engine = LLMEngine(tiny_llama, EngineConfig(block_size=4))
+    batch = prompts(3, 5, 30, seed=4)
+    got = run(engine, {0: [(i, p, params) for i, p in enumerate(batch)]})
+    for i, p in enumerate(batch):
+        tokens, gaps, ref_lps = ref.greedy(p, params.max_tokens)
+        ours, lps = got[i][0]
+        assert_same_tokens(ours, tokens, gaps, f"prompt {i}")
+        for pos, (tok, entry) in enumerate(zip(ours, lps)):
+            assert entry[tok].rank == 1
+            top = ref_lps[pos].topk(3)
+            for rank, (value, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+                assert entry[tid].rank == rank
+                assert abs(entry[tid].logprob - value) < 1e-4
+
+
+def test_prompt_logprobs_and_context_logits(tiny_llama):
+    ref = Reference(tiny_llama)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1, return_context_logits=True)
+    engine = LLMEngine(tiny_llama, EngineConfig(block_size=4, max_num_batched_tokens=8))  # chunked prompt
+    prompt = prompts(1, 20, 20, seed=5)[0]
+    engine.add_request(0, prompt, params)
+    first = None
+    while engine.has_unfinished_requests():
+        for rsp in engine.step():
+            first = first or rsp
+    with torch.no_grad():
+        logits = ref.model(torch.tensor([prompt])).logits[0]
+    assert first.context_logits.shape == logits.shape
+    assert (first.context_logits - logits).abs().max() < 1e-4
+    assert first.prompt_logprobs[0] is None
+    lp = logits.log_softmax(-1)
+    for i in range(1, len(prompt)):
+        assert abs(first.prompt_logprobs[i][prompt[i]].logprob - float(lp[i - 1, prompt[i]])) < 1e-4
+
+
+def test_bad_requests_are_refused_with_the_reason(tiny_llama):
+    engine = LLMEngine(tiny_llama, EngineConfig(block_size=4, num_blocks=8))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(0, [], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request(1, [1, 10**9], GREEDY)
+    with pytest.raises(ValueError, match="context length"):
+        engine.add_request(2, [5] * 2040, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request(3, [5] * 30, SamplingParams(max_tokens=10))
+    assert not engine.has_unfinished_requests()
