@@ -1,0 +1,225 @@
+"""What the engine needs to know about a checkpoint, read once from its directory into a frozen ModelSpec.
+
+transformers' AutoConfig reads config.json so that class defaults (Mistral's sliding_window, Qwen's layer_types) and
+legacy rope keys are folded in exactly as transformers itself would see them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import pathlib
+import struct
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+
+# Keys that record who wrote the file, not what the model computes: kept out of the fingerprint.
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+# Bytes read from the start of each tensor: cheap, yet two random inits of the same shapes differ.
+_FINGERPRINT_SAMPLE_BYTES = 64
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # one per layer; None = full attention
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    checkpoint_dtype: str  # "float32" | "bfloat16" | "float16"
+    fingerprint: str
+    rope_type: str
+    rope_inv_freq: tuple[float, ...] = field(repr=False)  # (head_dim // 2,) fp32 values, exact as floats
+    rope_attention_scaling: float = 1.0  # cos/sin multiplier (1 unless yarn or longrope)
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers")
+        if len(self.rope_inv_freq) * 2 != self.head_dim:
+            raise ValueError(f"rope covers {2 * len(self.rope_inv_freq)} dims, head_dim is {self.head_dim}")
+
+
+def load_spec(model_dir) -> ModelSpec:
+    """Reads config.json (+ generation_config.json, safetensors headers) of a local HF checkpoint."""
+    model_dir = pathlib.Path(model_dir)
+    # Checked on the raw file first, so a model_type transformers does not know still gets our message.
+    arch = _architecture(json.loads((model_dir / "config.json").read_text()))
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{arch}: hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope_type, inv_freq, scaling = _rope(config, head_dim)
+    headers = read_safetensors_headers(model_dir)
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        intermediate_size=config.intermediate_size,
+        rms_norm_eps=float(config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        **_biases(arch, config),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_windows=_sliding_windows(arch, config),
+        max_position_embeddings=config.max_position_embeddings,
+        **_special_ids(model_dir, config),
+        checkpoint_dtype=_checkpoint_dtype(config, headers),
+        fingerprint=_fingerprint(model_dir, headers),
+        rope_type=rope_type,
+        rope_inv_freq=tuple(float(f) for f in inv_freq.tolist()),
+        rope_attention_scaling=float(scaling),
+    )
+
+
+def _architecture(raw_config: dict) -> str:
+    archs = raw_config.get("architectures") or []
+    arch = archs[0] if archs else f"<none given; model_type {raw_config.get('model_type')!r}>"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    return arch
+
+
+def _biases(arch: str, config) -> dict:
+    # Each family's modeling file hard-codes its own rule (PARITY.md "Biases").
+    if arch == "Qwen2ForCausalLM":
+        return dict(attention_bias=True, o_bias=False, mlp_bias=False)
+    if arch == "MistralForCausalLM":
+        return dict(attention_bias=False, o_bias=False, mlp_bias=False)
+    attn = bool(getattr(config, "attention_bias", False))
+    mlp = bool(getattr(config, "mlp_bias", False)) if arch == "LlamaForCausalLM" else False
+    return dict(attention_bias=attn, o_bias=attn, mlp_bias=mlp)
+
+
+def _sliding_windows(arch: str, config) -> tuple[int | None, ...]:
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if arch == "MistralForCausalLM":
+        return (window,) * n  # Mistral applies it on every layer whenever it is set
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or not layer_types:
+        return (None,) * n
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _rope(config, head_dim: int) -> tuple[str, torch.Tensor, float]:
+    """(rope type, inv_freq (head_dim // 2,) fp32, cos/sin scaling). dynamic and longrope match transformers only
+    within the original context length, where transformers does not rescale either."""
+    params = config.rope_parameters or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", 10000.0)
+        # Exactly transformers' expression, in fp32: an fp64 computation cast down differs in the last bits.
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # (head_dim // 2,)
+        return rope_type, inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return rope_type, inv_freq.float(), scaling
+
+
+def _special_ids(model_dir: pathlib.Path, config) -> dict:
+    gen = {}
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        gen = json.loads(gen_path.read_text())
+    eos: list[int] = []
+    for source in (getattr(config, "eos_token_id", None), gen.get("eos_token_id")):
+        for token in [source] if isinstance(source, int) else (source or []):
+            if token not in eos:
+                eos.append(token)
+    bos = getattr(config, "bos_token_id", None)
+    pad = getattr(config, "pad_token_id", None)
+    return dict(
+        eos_token_ids=tuple(eos),
+        bos_token_id=bos if bos is not None else gen.get("bos_token_id"),
+        pad_token_id=pad if pad is not None else gen.get("pad_token_id"),
+    )
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _checkpoint_dtype(config, headers: dict[str, dict]) -> str:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str) and dtype in _SAFETENSORS_DTYPES.values():
+        return dtype
+    # No dtype recorded: the weights' own dtype is what from_pretrained would pick.
+    for info in headers.values():
+        if info["dtype"] in _SAFETENSORS_DTYPES:
+            return _SAFETENSORS_DTYPES[info["dtype"]]
+    return "float32"
+
+
+def safetensors_files(model_dir) -> list[pathlib.Path]:
+    """The checkpoint's weight files: the shards the index names, else model.safetensors."""
+    model_dir = pathlib.Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json")
+    return [single]
+
+
+def read_safetensors_headers(model_dir) -> dict[str, dict]:
+    """name -> {dtype, shape, data_offsets, file, data_start} for every tensor, from the headers alone."""
+    tensors: dict[str, dict] = {}
+    for path in safetensors_files(model_dir):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            tensors[name] = dict(info, file=path, data_start=8 + size)
+    return tensors
+
+
+def _fingerprint(model_dir: pathlib.Path, headers: dict[str, dict]) -> str:
+    config = json.loads((model_dir / "config.json").read_text())
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    with contextlib.ExitStack() as stack:
+        files = {path: stack.enter_context(open(path, "rb")) for path in {i["file"] for i in headers.values()}}
+        # Per tensor name, not per file, so the same weights sharded differently fingerprint the same.
+        for name in sorted(headers):
+            info = headers[name]
+            h.update(f"|{name}:{info['dtype']}:{info['shape']}:".encode())
+            h.update(_sample(files[info["file"]], info))
+    return h.hexdigest()
+
+
+def _sample(f, info: dict) -> bytes:
+    begin, end = info["data_offsets"]
+    f.seek(info["data_start"] + begin)
+    return f.read(min(_FINGERPRINT_SAMPLE_BYTES, end - begin))

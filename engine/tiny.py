@@ -1,0 +1,273 @@
+"""Tiny random-weight Hugging Face checkpoints with a real byte-level BPE tokenizer.
+
+They are the project's default model and the models every test uses: built offline and
+deterministically (same arguments -> byte-identical files), in the exact on-disk format of a
+real checkpoint (config.json, safetensors, tokenizer.json), so the loader, tokenizer and
+detokenizer paths are the ones a real model would take.
+
+    python -m engine.tiny models/tiny-llama [--arch llama] [--size tiny] [--seed 0] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import pathlib
+import random
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+SPECIAL_TOKENS = (BOS, EOS, PAD, "<|system|>", "<|user|>", "<|assistant|>")
+
+# Turns end with EOS so that a chat reply stops where generation stops. BOS is written by the
+# template (not by the tokenizer's post-processor) so plain completions carry no hidden token.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinySize:
+    """Shape of one model size; vocab_size is the BPE target, the model gets len(tokenizer)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+
+SIZES = {
+    # ~4.5M params: a forward pass costs milliseconds on one CPU core.
+    "tiny": TinySize(4096, 256, 512, 4, 4, 2, 2048),
+    # ~19M params: large enough for batching and KV-transfer costs to show in benchmarks.
+    "bench": TinySize(8192, 384, 1024, 8, 6, 2, 4096),
+}
+
+# std 0.02 (the HF default) gives flat logits at this width (std ~0.3): greedy decoding meets
+# near-ties and soon loops on a few tokens. At 0.15 the greedy top-2 gap has a median ~0.4 and is
+# under 1e-3 on well below 1% of steps, and 64 greedy tokens are mostly distinct.
+INITIALIZER_RANGE = 0.15
+
+_CONFIGS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# --- corpus ---------------------------------------------------------------------------------
+
+_ENGLISH = (
+    "the of and to in is that it for on with as was by at be this from or have an are not "
+    "but had his they you which one we all were her she there been if their has when who will "
+    "more no out so said what up its about into than them can only other new some could time "
+    "these two may then do first any my now such like our over man me even most made after "
+    "also did many before must through back years where much your way well down should because "
+    "each just those people how too little state good very make world still own see men work "
+    "long get here between both life being under never day same another know while last might "
+    "us great old year off come since against go came right used take three model token server "
+    "prefill decode cache block request batch queue worker stream sample greedy tensor layer "
+    "attention kernel memory lease deadline router cluster node python quick brown fox jumps "
+    "lazy dog hello world question answer story river mountain light dark green blue red"
+).split()
+
+# Common enough to become whole tokens, as accented words do in real tokenizers.
+_ACCENTED = (
+    "café naïve résumé façade über straße garçon jalapeño smörgåsbord déjà vu "
+    "καλημέρα κόσμε λόγος θάλασσα привет мир спасибо хорошо да нет"
+).split()
+
+# Drawn from whole blocks, so each character is rare: BPE merges their shared lead bytes but
+# seldom a whole character, and a CJK character or an emoji spans several tokens, as with real
+# tokenizers. Detokenizers must then hold back incomplete UTF-8.
+_RARE_BLOCKS = (
+    (0x4E00, 0x9FFF),  # CJK unified ideographs (你好世界)
+    (0x1F300, 0x1F6FF),  # pictographs, emoticons, transport (🙂🚀)
+)
+
+_PUNCT = (".", ",", "!", "?", ":", ";", " -", "")
+_CONSONANTS = "bcdfghjklmnprstvwz"
+_VOWELS = "aeiou"
+
+
+def _pseudo_word(rng: random.Random) -> str:
+    # Invented words give the BPE trainer enough distinct strings to reach an 8k vocab;
+    # a fixed English list alone runs out of merges long before.
+    syllables = rng.randint(1, 4)
+    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables))
+
+
+def _rare_word(rng: random.Random) -> str:
+    low, high = rng.choice(_RARE_BLOCKS)
+    return "".join(chr(rng.randint(low, high)) for _ in range(rng.randint(1, 3)))
+
+
+def _word(rng: random.Random) -> str:
+    roll = rng.random()
+    if roll < 0.005:
+        return _rare_word(rng)
+    if roll < 0.55:
+        return rng.choice(_ENGLISH)
+    if roll < 0.62:
+        return rng.choice(_ACCENTED)
+    if roll < 0.72:
+        return str(rng.randint(0, 10_000))
+    word = _pseudo_word(rng)
+    return word.capitalize() if rng.random() < 0.2 else word
+
+
+def corpus(num_sentences: int = 20_000, seed: int = 1234) -> list[str]:
+    """Seeded random sentences: the same list on every machine, so the same tokenizer."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_sentences):
+        words = [_word(rng) for _ in range(rng.randint(3, 14))]
+        words[0] = words[0].capitalize()
+        newline = "\n" if rng.random() < 0.1 else ""
+        lines.append(" ".join(words) + rng.choice(_PUNCT) + newline)
+    return lines
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_json(vocab_size: int) -> str:
+    # Cached as JSON, not as an object, so every caller gets a fresh tokenizer it may mutate.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    return tok.to_str()
+
+
+def build_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of at most vocab_size tokens (specials included)."""
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]),
+        chat_template=CHAT_TEMPLATE,
+        # Cleanup would rewrite " ." to "." and break decode(encode(s)) == s.
+        clean_up_tokenization_spaces=False,
+    )
+
+
+# --- model ----------------------------------------------------------------------------------
+
+
+def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
+    kwargs = dataclasses.asdict(size)
+    kwargs.update(initializer_range=INITIALIZER_RANGE, tie_word_embeddings=False)
+    if arch == "mistral":
+        kwargs["sliding_window"] = 4096  # explicit: the engine must not rely on HF's default
+    kwargs.update(overrides)
+    if arch == "qwen3":
+        # Qwen3's default head_dim (128) ignores hidden_size / num_attention_heads.
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    return kwargs
+
+
+def make_config(arch: str = "llama", size: str = "tiny", **config_overrides):
+    """(config, tokenizer) for arch and size; config.vocab_size == len(tokenizer) exactly.
+
+    A vocab_size override is the BPE target; the model gets the vocab the trainer reached.
+    """
+    if arch not in _CONFIGS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHITECTURES}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {tuple(SIZES)}")
+    kwargs = _config_kwargs(arch, SIZES[size], config_overrides)
+    tokenizer = build_tokenizer(kwargs["vocab_size"])
+    kwargs.update(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return _CONFIGS[arch][0](**kwargs), tokenizer
+
+
+def build_tiny_model(
+    out_dir,
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size=None,
+    **config_overrides,
+) -> pathlib.Path:
+    """Write a random-weight checkpoint + tokenizer to out_dir and return its path."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {tuple(_DTYPES)}")
+    out = pathlib.Path(out_dir)
+    config, tokenizer = make_config(arch, size, **config_overrides)
+    # Init in fp32 then cast, so a bf16 build holds the rounded fp32 weights of the same seed.
+    # fork_rng: building a model must not reseed the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _CONFIGS[arch][1](config).to(_DTYPES[dtype])
+    tokenizer.model_max_length = config.max_position_embeddings
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **save_kwargs)
+    # Only the special ids: sampling defaults here would silently change what "greedy" means.
+    transformers.GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def num_parameters(model_dir) -> int:
+    """Parameter count read from the safetensors headers (no weights loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.tiny", description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", default="llama", choices=ARCHITECTURES)
+    parser.add_argument("--size", default="tiny", choices=tuple(SIZES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=tuple(_DTYPES))
+    args = parser.parse_args(argv)
+    out = build_tiny_model(args.out_dir, args.arch, args.size, args.seed, args.dtype)
+    print(f"{out} {num_parameters(out):,} parameters")
+
+
+if __name__ == "__main__":
+    main()
