@@ -19,12 +19,26 @@ import random
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from safetensors import safe_open
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
-BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-SPECIAL_TOKENS = (BOS, EOS, PAD, "<|system|>", "<|user|>", "<|assistant|>")
+BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+# UNK is never produced (byte-level BPE covers every byte); it exists because AutoTokenizer
+# rebuilds qwen2 tokenizers as Qwen2Tokenizer, which would otherwise add an unk token of its own
+# and make len(tokenizer) exceed the model's vocab.
+SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_TOKENS, UNK)
+
+# Qwen2's pre-tokenizer regex (single digits, contractions, punctuation runs). AutoTokenizer
+# forces Qwen2Tokenizer on qwen2 checkpoints and that class rebuilds the pipeline as NFC + this
+# split + ByteLevel, ignoring tokenizer.json's; using the same pipeline for every architecture
+# makes all of them load to the tokenizer that was built.
+_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # Turns end with EOS so that a chat reply stops where generation stops. BOS is written by the
 # template (not by the tokenizer's post-processor) so plain completions carry no hidden token.
@@ -151,7 +165,11 @@ def corpus(num_sentences: int = 20_000, seed: int = 1234) -> list[str]:
 def _tokenizer_json(vocab_size: int) -> str:
     # Cached as JSON, not as an object, so every caller gets a fresh tokenizer it may mutate.
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -165,13 +183,17 @@ def _tokenizer_json(vocab_size: int) -> str:
 
 
 def build_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer of at most vocab_size tokens (specials included)."""
+    """A byte-level BPE tokenizer of at most vocab_size tokens (specials included).
+
+    Text is NFC-normalized, so decode(encode(s)) == unicodedata.normalize("NFC", s).
+    """
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=list(SPECIAL_TOKENS[3:]),
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS),
         chat_template=CHAT_TEMPLATE,
         # Cleanup would rewrite " ." to "." and break decode(encode(s)) == s.
         clean_up_tokenization_spaces=False,
@@ -247,8 +269,6 @@ def build_tiny_model(
 
 def num_parameters(model_dir) -> int:
     """Parameter count read from the safetensors headers (no weights loaded)."""
-    from safetensors import safe_open
-
     total = 0
     for path in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
         with safe_open(path, "pt") as f:
