@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from engine.request import Sequence
 
 
@@ -13,6 +15,9 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        # Allocation count per block. A reader on another engine compares it after reading a block: a changed
+        # count means the block was freed and reused meanwhile, so the data read cannot be trusted.
+        self.generations = torch.zeros(num_blocks, dtype=torch.int64)  # (num_blocks,)
 
     @property
     def num_free_blocks(self) -> int:
@@ -34,9 +39,7 @@ class BlockManager:
         if missing > len(self._free):
             raise RuntimeError(f"allocate: {missing} blocks needed, {len(self._free)} free (call can_allocate first)")
         for _ in range(missing):
-            block = self._free.popleft()
-            self._ref_counts[block] = 1
-            seq.block_table.append(block)
+            seq.block_table.append(self._take())
 
     def free(self, seq: Sequence) -> None:
         """Drops seq's references; a block returns to the pool when no sequence holds it. Idempotent."""
@@ -61,10 +64,15 @@ class BlockManager:
         child.block_table = list(shared)
         if not partial:
             return None
-        dst = self._free.popleft()
-        self._ref_counts[dst] = 1
+        dst = self._take()
         child.block_table.append(dst)
         return table[-1], dst
+
+    def _take(self) -> int:
+        block = self._free.popleft()
+        self._ref_counts[block] = 1
+        self.generations[block] += 1
+        return block
 
     def _release(self, block: int) -> None:
         if self._ref_counts[block] <= 0:

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.kv_cache import KVCache
+from engine.disagg import KVImporter, LeaseTable, release_message
+from engine.kv_cache import KVCache, KVLayout
+from engine.kv_handle import KVHandle, compatibility_problems
+from engine.kv_transfer import KVTransport, NixlTransport, TransferError
 from engine.model import CausalLM
 from engine.request import EngineRequest, Sequence
 from engine.runner import ModelRunner
 from engine.sampler import Sample, Sampler, SampleRow, top_logprobs
 from engine.scheduler import Scheduler, SchedulerOutput
-from llmapi.outputs import EngineResponse, TokenDelta
+from llmapi.disaggregated_params import DisaggregatedParams
+from llmapi.outputs import EngineResponse, Logprob, TokenDelta
 from llmapi.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,9 +37,13 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     seed: int = 0  # for requests without a seed
+    kv_lease_s: float = 30.0  # how long a prefill engine holds a context-only request's blocks for the decode side
+    kv_transfer_timeout_s: float = 10.0  # a decode engine's budget to read one request's prompt KV
+    cluster_key: bytes | None = None  # signs KV handles; engines that exchange handles across processes share it
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "kv_lease_s",
+                     "kv_transfer_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -53,14 +65,56 @@ class LLMEngine:
         self.requests: dict[int, EngineRequest] = {}
         self._pending: list[EngineResponse] = []
         self._next_seq_id = 0
+        self.leases = LeaseTable(self.scheduler, config.kv_lease_s)
+        self._transport: KVTransport | None = None
+        self._importer: KVImporter | None = None
+        self._peers: set[str] = set()  # transports we have met (compatibility checked)
+
+    # ---- the KV plane (created on first use: a colocated engine never needs it) ----
+    @property
+    def transport(self) -> KVTransport:
+        if self._transport is None:
+            name = f"raypd-{uuid.uuid4().hex[:12]}"
+            self._transport = NixlTransport(name, self.kv_cache, generations=self.block_manager.generations)
+            self._importer = KVImporter(self.block_manager, self._transport, self.config.kv_transfer_timeout_s)
+        return self._transport
+
+    def meet(self, name: str, transport_info: bytes, layout: KVLayout, fingerprint: str) -> None:
+        """First contact with a peer engine: refuses an incompatible one, naming every mismatch, then connects."""
+        if name in self._peers:
+            return
+        problems = compatibility_problems(self.kv_cache.layout, self.spec.fingerprint, layout, fingerprint)
+        if problems:
+            raise ValueError(f"engine {name!r} is incompatible with this one: " + "; ".join(problems))
+        self.transport.connect(name, transport_info)
+        self._peers.add(name)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
 
     # ---- requests in and out ----
-    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queues a request; raises ValueError naming what is wrong with it."""
+    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                    disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True) -> None:
+        """Queues a request; raises ValueError naming what is wrong with it.
+
+        context_only: prefill, sample the first token of each candidate, then hold the prompt's blocks under a lease
+        and finish with DisaggregatedParams naming them. generation_only: read those blocks and decode; the first
+        tokens are emitted again unless echo_first_tokens is False (an owner that already streamed them).
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already in use")
         self._validate(prompt_token_ids, params)
-        req = EngineRequest(request_id, list(prompt_token_ids), params)
+        kind = disaggregated_params.request_type if disaggregated_params else "context_and_generation"
+        req = EngineRequest(request_id, list(prompt_token_ids), params, context_only=kind == "context_only")
+        if kind == "generation_only":
+            disaggregated_params.validate()
+            handle, unreachable = self._open_handle(disaggregated_params, req)
+            self.requests[request_id] = req
+            self._add_generation_only(req, handle, disaggregated_params.first_gen_tokens, echo_first_tokens, unreachable)
+            return
+        if req.context_only:
+            self.transport  # noqa: B018  (fail now, not after the prefill, if the KV plane cannot start)
         self.requests[request_id] = req
         self.scheduler.add(self._new_seq(req, 0, list(prompt_token_ids)))
 
@@ -69,6 +123,9 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return
+        if self._importer is not None:
+            for seq in req.seqs:
+                self._importer.cancel(seq)
         deltas = [self._finish(s, "cancelled", None) for s in req.seqs if not s.finished]
         del self.requests[request_id]
         self._pending.append(EngineResponse(request_id, tuple(deltas), finished=True))
@@ -89,6 +146,8 @@ class LLMEngine:
 
     # ---- the loop ----
     def step(self) -> list[EngineResponse]:
+        if self._transport is not None:
+            self._poll_kv_plane()
         out = self.scheduler.schedule()
         now = time.monotonic()
         for seq, _ in out.scheduled:
@@ -128,6 +187,9 @@ class LLMEngine:
         deltas: dict[int, list[TokenDelta]] = {}
         for seq, seq_samples in samples.items():
             req = seq.request
+            if req.context_only:
+                self._finish_context(seq, seq_samples)
+                continue
             new_seqs = self._fork(seq, seq_samples) if not req.forked else [(seq, seq_samples[0])]
             for s, sample in new_seqs:
                 deltas.setdefault(req.request_id, []).append(self._append(s, sample))
@@ -138,19 +200,21 @@ class LLMEngine:
         """Creates the request's other candidates from its first sequence, sharing the prompt's blocks."""
         req = seq.request
         req.forked = True
-        pairs = [(seq, samples[0])]
-        for k, sample in enumerate(samples[1:], start=1):
-            child = self._new_seq(req, k, list(seq.token_ids))
-            if self.block_manager.can_fork():
-                copy = self.block_manager.fork(seq, child)
-                if copy is not None:
-                    self.kv_cache.copy_block(*copy)
-                child.num_computed_tokens = seq.num_computed_tokens
-                self.scheduler.add_running(child)
-            else:  # no block for a private copy: the child recomputes its prompt later
-                self.scheduler.add(child)
-            pairs.append((child, sample))
-        return pairs
+        children = [self._new_seq(req, k, list(seq.token_ids)) for k in range(1, len(samples))]
+        for child in children:
+            self._share_prompt(seq, child)
+        return list(zip([seq, *children], samples))
+
+    def _share_prompt(self, seq: Sequence, child: Sequence) -> None:
+        """child starts from seq's computed prompt: shared full blocks, a private copy of a partial last one."""
+        if not self.block_manager.can_fork():
+            self.scheduler.add(child)  # no block for the copy: the child recomputes its prompt later
+            return
+        copy = self.block_manager.fork(seq, child)
+        if copy is not None:
+            self.kv_cache.copy_block(*copy)
+        child.num_computed_tokens = seq.num_computed_tokens
+        self.scheduler.add_running(child)
 
     def _append(self, seq: Sequence, sample: Sample) -> TokenDelta:
         seq.token_ids.append(sample.token_id)
@@ -161,13 +225,15 @@ class LLMEngine:
         logprobs = (sample.top_logprobs,) if sample.top_logprobs is not None else None
         return TokenDelta(seq.index, (sample.token_id,), seq.cumulative_logprob, logprobs)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+    def _finish_reason(self, seq: Sequence, token: int, num_output_tokens: int | None = None):
+        """(finish_reason, stop_reason) after seq got token, or (None, None) if it goes on."""
         params = seq.request.sampling_params
+        outputs = seq.num_output_tokens if num_output_tokens is None else num_output_tokens
         if not params.ignore_eos and token in self.spec.eos_token_ids:
             return "stop", None
         if token in params.stop_token_ids:
             return "stop", token
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.spec.max_position_embeddings:
+        if outputs >= params.max_tokens or seq.request.num_prompt_tokens + outputs >= self.spec.max_position_embeddings:
             return "length", None
         return None, None
 
@@ -177,15 +243,114 @@ class LLMEngine:
         logprobs = (sample.top_logprobs,) if sample is not None and sample.top_logprobs is not None else None
         return TokenDelta(seq.index, tuple(tokens), seq.cumulative_logprob, logprobs, reason, stop_reason)
 
-    def _response(self, req: EngineRequest, deltas: list[TokenDelta]) -> EngineResponse:
+    def _response(self, req: EngineRequest, deltas: list[TokenDelta], **extra) -> EngineResponse:
         first = not req.reported_queue_time
         req.reported_queue_time = True
         finished = req.finished
         if finished:
             del self.requests[req.request_id]
-        extra = self._prompt_outputs(req) if first and req.wants_prompt_logits else {}
+        if first and req.prompt_logits:
+            extra.update(self._prompt_outputs(req))
         queue_time = req.first_scheduled_time - req.arrival_time if first else None
         return EngineResponse(req.request_id, tuple(deltas), finished, queue_time=queue_time, **extra)
+
+    # ---- disaggregation ----
+    def _finish_context(self, seq: Sequence, samples: list[Sample]) -> None:
+        """Context-only: report each candidate's first token and hold the prompt's blocks for the decode side."""
+        req = seq.request
+        req.forked = True
+        deltas = []
+        for k, sample in enumerate(samples):
+            reason, stop = self._finish_reason(seq, sample.token_id, num_output_tokens=1)
+            logprobs = (sample.top_logprobs,) if sample.top_logprobs is not None else None
+            deltas.append(TokenDelta(k, (sample.token_id,), sample.logprob, logprobs, reason or "length", stop))
+        seq.finish_reason = "length"
+        blocks = tuple(seq.block_table[: self.block_manager.blocks_for(req.num_prompt_tokens)])
+        handle = KVHandle(
+            ctx_request_id=req.request_id, agent=self.transport.name, transport_info=self.transport.metadata(),
+            block_ids=blocks, generations=tuple(self.block_manager.generations[list(blocks)].tolist()),
+            num_tokens=req.num_prompt_tokens, layout=self.kv_cache.layout, fingerprint=self.spec.fingerprint,
+            lease_deadline=self.leases.hold(req.request_id, seq),
+            first_logprobs=tuple(s.logprob for s in samples),
+            first_top_logprobs=tuple(_triples(s.top_logprobs) for s in samples),
+        )
+        params = DisaggregatedParams(
+            "context_only", first_gen_tokens=[s.token_id for s in samples], ctx_request_id=req.request_id,
+            opaque_state=handle.sign(self.config.cluster_key),
+        )
+        self._pending.append(self._response(req, deltas, disaggregated_params=params))
+
+    def _open_handle(self, params: DisaggregatedParams, req: EngineRequest) -> tuple[KVHandle, str | None]:
+        """The verified handle, and why its engine cannot be reached (then the request prefills here)."""
+        handle = KVHandle.open(params.opaque_state, self.config.cluster_key)
+        unreachable = None
+        try:
+            self.meet(handle.agent, handle.transport_info, handle.layout, handle.fingerprint)
+        except TransferError as e:
+            unreachable = str(e)
+        if handle.num_tokens != req.num_prompt_tokens:
+            raise ValueError(f"the KV handle holds {handle.num_tokens} prompt tokens, the prompt has {req.num_prompt_tokens}")
+        count = req.sampling_params.num_candidates
+        if len(params.first_gen_tokens) != count:
+            raise ValueError(f"first_gen_tokens has {len(params.first_gen_tokens)} tokens for {count} candidates")
+        return handle, unreachable
+
+    def _add_generation_only(self, req: EngineRequest, handle: KVHandle, first: list[int], echo: bool,
+                             unreachable: str | None) -> None:
+        """Starts from the prefill side's first tokens; the prompt's KV is read before the request joins the batch."""
+        req.forked = True
+        req.first_scheduled_time = req.arrival_time
+        deltas, alive = [], []
+        for k, token in enumerate(first):
+            seq = self._new_seq(req, k, req.prompt_token_ids + [token])
+            seq.cumulative_logprob = handle.first_logprobs[k] if handle.first_logprobs else 0.0
+            top = {t: Logprob(lp, r) for t, lp, r in handle.first_top_logprobs[k]} if handle.first_top_logprobs else None
+            reason, stop = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason, seq.stop_reason = reason, stop
+                self.scheduler.finish(seq)
+            else:
+                alive.append(seq)
+            wanted = (top,) if echo and req.sampling_params.logprobs is not None and top else None
+            tokens = (token,) if echo else ()
+            deltas.append(TokenDelta(k, tokens, seq.cumulative_logprob, wanted, reason, stop))
+        self._pending.append(self._response(req, deltas))
+        if not alive:
+            if not unreachable:
+                self._release_unread(handle)
+            self.requests.pop(req.request_id, None)
+            return
+        req.followers = alive[1:]
+        if unreachable:
+            self._import_done(alive[0], unreachable)
+        else:
+            self._importer.add(alive[0], handle)
+
+    def _release_unread(self, handle: KVHandle) -> None:
+        try:
+            self.transport.send_notification(handle.agent, release_message(handle.ctx_request_id))
+        except TransferError as e:  # the lease ends on its own
+            log.info("could not release context request %d early: %s", handle.ctx_request_id, e)
+
+    def _poll_kv_plane(self) -> None:
+        self.leases.on_notifications(self._transport.poll_notifications())
+        self.leases.expire()
+        for seq, problem in self._importer.poll():
+            self._import_done(seq, problem)
+
+    def _import_done(self, seq: Sequence, problem: str | None) -> None:
+        """The prompt KV is in place (problem None): decode. Otherwise prefill the prompt here, same tokens."""
+        if problem is None:
+            seq.num_computed_tokens = seq.request.num_prompt_tokens
+            self.scheduler.add_running(seq)
+        else:
+            log.warning("request %d re-prefills locally: %s", seq.request.request_id, problem)
+            self._importer.cancel(seq)
+            self.block_manager.free(seq)
+            self.scheduler.add(seq)
+        for follower in seq.request.followers:
+            self._share_prompt(seq, follower) if problem is None else self.scheduler.add(follower)
+        seq.request.followers = []
 
     # ---- prompt logits (prompt_logprobs, return_context_logits) ----
     def _keep_prompt_logits(self, out: SchedulerOutput, hidden: torch.Tensor, last_rows: list[int]) -> None:
@@ -233,3 +398,7 @@ class LLMEngine:
         need = self.block_manager.blocks_for(len(prompt) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks, the pool has {self.block_manager.num_blocks}")
+
+
+def _triples(top: dict[int, Logprob] | None) -> tuple[tuple[int, float, int], ...]:
+    return tuple((t, lp.logprob, lp.rank) for t, lp in (top or {}).items())

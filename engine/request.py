@@ -65,6 +65,7 @@ class EngineRequest:
     context_only: bool = False  # prefill role: stop after the first token, keep the blocks for the decode side
     prompt_logits: dict[int, object] = field(default_factory=dict)  # position -> (vocab,) fp32 logits, when asked for
     reported_queue_time: bool = False
+    followers: list["Sequence"] = field(default_factory=list)  # candidates waiting for the first one's KV import
 
     @property
     def num_prompt_tokens(self) -> int:

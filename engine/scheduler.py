@@ -48,8 +48,11 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SeqStatus.FINISHED
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def detach(self, seq: Sequence) -> None:
+        """Takes a finished seq out of the running queue but leaves its blocks allocated (a KV lease holds them)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

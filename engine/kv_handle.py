@@ -1,0 +1,80 @@
+"""The KV handle (`opaque_state`): what a decode engine needs to read a prompt's blocks from a prefill engine.
+
+It is signed by the engine that made it (HMAC-SHA256 with the cluster key) and serialized as JSON, never pickle, so a
+forged or altered handle is refused before anything in it is used.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+from dataclasses import dataclass
+
+from engine.kv_cache import KVLayout
+
+# Engines in one process that were given no cluster key share this one; across processes a key must be configured.
+PROCESS_KEY = os.urandom(32)
+_CONTEXT = b"raypd.kv_handle.v1"
+
+
+class InvalidHandle(ValueError):
+    """The handle was not made by an engine of this cluster, or was altered."""
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    ctx_request_id: int
+    agent: str  # the prefill engine's transport name
+    transport_info: bytes  # what a peer needs to connect to that transport
+    block_ids: tuple[int, ...]
+    generations: tuple[int, ...]  # each block's allocation count when the lease began; a changed one was reused
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    layout: KVLayout
+    fingerprint: str  # model fingerprint of the prefill engine
+    lease_deadline: float  # wall clock (time.time()) of the prefill side; checked, but never trusted alone
+    first_logprobs: tuple[float, ...] = ()  # per candidate: the first token's logprob
+    first_top_logprobs: tuple[tuple[tuple[int, float, int], ...], ...] = ()  # per candidate: (token, logprob, rank)
+
+    def sign(self, key: bytes | None) -> bytes:
+        body = dataclasses.asdict(self)
+        body["transport_info"] = base64.b64encode(self.transport_info).decode()
+        payload = json.dumps(body, sort_keys=True).encode()
+        return _mac(key, payload) + payload
+
+    @classmethod
+    def open(cls, blob: bytes, key: bytes | None) -> "KVHandle":
+        """Verifies the signature, then parses. Raises InvalidHandle."""
+        if not isinstance(blob, (bytes, bytearray)) or len(blob) < 32:
+            raise InvalidHandle("opaque_state is not a KV handle")
+        mac, payload = bytes(blob[:32]), bytes(blob[32:])
+        if not hmac.compare_digest(mac, _mac(key, payload)):
+            raise InvalidHandle("opaque_state signature check failed: the handle was altered or made by an engine "
+                                "with another cluster key")
+        body = json.loads(payload)
+        body["transport_info"] = base64.b64decode(body["transport_info"])
+        body["layout"] = KVLayout(**body["layout"])
+        body["block_ids"], body["generations"] = tuple(body["block_ids"]), tuple(body["generations"])
+        body["first_logprobs"] = tuple(body["first_logprobs"])
+        body["first_top_logprobs"] = tuple(tuple(tuple(t) for t in top) for top in body["first_top_logprobs"])
+        return cls(**body)
+
+
+def _mac(key: bytes | None, payload: bytes) -> bytes:
+    derived = hmac.new(key or PROCESS_KEY, _CONTEXT, hashlib.sha256).digest()
+    return hmac.new(derived, payload, hashlib.sha256).digest()
+
+
+def compatibility_problems(mine: KVLayout, my_fingerprint: str, theirs: KVLayout, their_fingerprint: str) -> list[str]:
+    """Every difference that makes two engines' KV blocks incompatible, named."""
+    problems = [
+        f"{f.name}: {getattr(theirs, f.name)} (peer) vs {getattr(mine, f.name)} (here)"
+        for f in dataclasses.fields(KVLayout)
+        if getattr(theirs, f.name) != getattr(mine, f.name)
+    ]
+    if their_fingerprint != my_fingerprint:
+        problems.insert(0, f"model fingerprint: {their_fingerprint[:12]} (peer) vs {my_fingerprint[:12]} (here)")
+    return problems

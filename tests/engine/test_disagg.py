@@ -1,0 +1,167 @@
+"""Disaggregation in one process: two engines, KV over real NIXL, the reference API's pattern."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from engine.kv_handle import KVHandle
+from llmapi import LLM, DisaggregatedParams, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama):
+    with LLM(tiny_llama, block_size=4) as ctx, LLM(tiny_llama, block_size=4) as gen:
+        yield ctx, gen
+
+
+def wait_full(*llms: LLM, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    for llm in llms:
+        bm = llm.engine.block_manager
+        while bm.num_free_blocks != bm.num_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bm.num_free_blocks == bm.num_blocks, "KV blocks not back in the pool"
+
+
+@pytest.fixture(autouse=True)
+def pools_back_to_full(pair):
+    yield
+    wait_full(*pair)
+
+
+def disaggregated(ctx: LLM, gen: LLM, prompt, params: SamplingParams):
+    c = ctx.generate(prompt, params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+    dp = c.disaggregated_params
+    dp.request_type = "generation_only"
+    return c, gen.generate(prompt, params, disaggregated_params=dp)
+
+
+PROMPTS = ["The history of the", "café 你好 🙂 naïve", "one two three four five six seven eight nine ten eleven"]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=11, ignore_eos=True, logprobs=2),
+], ids=["greedy", "seeded", "n3"])
+def test_same_tokens_as_colocated(pair, params):
+    ctx, gen = pair
+    colocated = ctx.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, ref in zip(PROMPTS, colocated):
+        c, g = disaggregated(ctx, gen, prompt, params)
+        assert c.disaggregated_params.first_gen_tokens == [o.token_ids[0] for o in ref.outputs]
+        assert [o.token_ids[:1] for o in c.outputs] == [o.token_ids[:1] for o in ref.outputs]
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in ref.outputs]
+        assert [o.text for o in g.outputs] == [o.text for o in ref.outputs]
+        for a, b in zip(g.outputs, ref.outputs):
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+        if params.logprobs:
+            assert [len(o.logprobs) for o in g.outputs] == [len(o.logprobs) for o in ref.outputs]
+
+
+def test_forged_or_foreign_handle_is_refused(pair):
+    ctx, gen = pair
+    params = SamplingParams(max_tokens=4, temperature=0)
+    c = ctx.generate("forge", params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+    real = c.disaggregated_params.opaque_state
+    tampered = bytearray(real)
+    tampered[-5] ^= 1
+    dp = DisaggregatedParams("generation_only", first_gen_tokens=c.disaggregated_params.first_gen_tokens,
+                             opaque_state=bytes(tampered))
+    with pytest.raises(ValueError, match="signature"):
+        gen.generate("forge", params, disaggregated_params=dp)
+    handle = KVHandle.open(real, None)
+    foreign = copy.copy(dp)
+    foreign.opaque_state = handle.sign(b"another cluster key" * 2)
+    with pytest.raises(ValueError, match="signature"):
+        gen.generate("forge", params, disaggregated_params=foreign)
+    # the genuine handle still works, and frees the prefill side's blocks when read
+    dp.opaque_state = real
+    assert gen.generate("forge", params, disaggregated_params=dp).finished
+
+
+def test_expired_lease_is_never_read_and_the_request_re_prefills(tiny_llama):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(tiny_llama, block_size=4, kv_lease_s=1.5) as ctx, LLM(tiny_llama, block_size=4) as gen:
+        ref = ctx.generate("late decode", params)
+        c = ctx.generate("late decode", params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+        time.sleep(2.0)  # the lease ends; the prefill side frees (and may reuse) the blocks
+        wait_full(ctx)
+        dp = c.disaggregated_params
+        dp.request_type = "generation_only"
+        g = gen.generate("late decode", params, disaggregated_params=dp)
+        assert g.outputs[0].token_ids == ref.outputs[0].token_ids
+        wait_full(ctx, gen)
+
+
+def test_incompatible_engines_are_refused_at_handshake(model_factory, tiny_llama):
+    other = model_factory("qwen2")
+    params = SamplingParams(max_tokens=4, temperature=0)
+    with LLM(tiny_llama, block_size=4) as ctx, LLM(other, block_size=8) as gen:
+        c = ctx.generate("hello", params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+        dp = c.disaggregated_params
+        dp.request_type = "generation_only"
+        with pytest.raises(ValueError, match="incompatible") as err:
+            gen.generate("hello", params, disaggregated_params=dp)
+        assert "model fingerprint" in str(err.value) and "block_size" in str(err.value)
+
+
+def _drive(engine, request_id: int, timeout: float = 30.0):
+    """Steps a bare engine until the request finishes; returns its responses."""
+    got, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got += [r for r in engine.step() if r.request_id == request_id]
+        if got and got[-1].finished:
+            return got
+    raise AssertionError(f"request {request_id} did not finish")
+
+
+def test_blocks_reused_during_the_read_are_detected_and_re_prefilled(tiny_llama, caplog):
+    from engine.engine import EngineConfig, LLMEngine
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = list(range(20, 45))
+    ctx, gen = LLMEngine(tiny_llama, EngineConfig(block_size=4)), LLMEngine(tiny_llama, EngineConfig(block_size=4))
+    try:
+        ctx.add_request(0, prompt, params, DisaggregatedParams(request_type="context_only"))
+        dp = _drive(ctx, 0)[-1].disaggregated_params
+        # The prefill side frees and reuses one of the blocks while the handle is still in flight.
+        block = KVHandle.open(dp.opaque_state, None).block_ids[2]
+        ctx.block_manager.generations[block] += 1
+        dp.request_type = "generation_only"
+        gen.add_request(7, prompt, params, dp)
+        tokens = [t for r in _drive(gen, 7) for d in r.deltas for t in d.token_ids]
+        assert "were reused" in caplog.text
+        gen.add_request(8, prompt, params)
+        assert tokens == [t for r in _drive(gen, 8) for d in r.deltas for t in d.token_ids]
+        _drive_until_free(ctx)
+    finally:
+        ctx.close()
+        gen.close()
+
+
+def _drive_until_free(engine, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
+        assert time.monotonic() < deadline, "prefill side did not free the leased blocks"
+        engine.step()
+        time.sleep(0.01)
+
+
+def test_dead_prefill_peer_fails_over_to_local_prefill(tiny_llama):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(tiny_llama, block_size=4) as gen:
+        ctx = LLM(tiny_llama, block_size=4)
+        ref = ctx.generate("the peer dies", params)
+        c = ctx.generate("the peer dies", params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+        ctx.shutdown()  # its NIXL agent is gone before the decode side reads
+        dp = c.disaggregated_params
+        dp.request_type = "generation_only"
+        start = time.monotonic()
+        g = gen.generate("the peer dies", params, disaggregated_params=dp, timeout=30)
+        assert time.monotonic() - start < 15
+        assert g.outputs[0].token_ids == ref.outputs[0].token_ids
+        wait_full(gen)
