@@ -48,6 +48,16 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
+@dataclass(frozen=True)
+class EngineCard:
+    """What one engine tells another when they first meet: how to reach its KV and what its KV is."""
+
+    name: str
+    transport_info: bytes
+    layout: KVLayout
+    fingerprint: str
+
+
 class LLMEngine:
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig()):
         if config.num_threads:
@@ -78,6 +88,9 @@ class LLMEngine:
             self._transport = NixlTransport(name, self.kv_cache, generations=self.block_manager.generations)
             self._importer = KVImporter(self.block_manager, self._transport, self.config.kv_transfer_timeout_s)
         return self._transport
+
+    def card(self) -> EngineCard:
+        return EngineCard(self.transport.name, self.transport.metadata(), self.kv_cache.layout, self.spec.fingerprint)
 
     def meet(self, name: str, transport_info: bytes, layout: KVLayout, fingerprint: str) -> None:
         """First contact with a peer engine: refuses an incompatible one, naming every mismatch, then connects."""

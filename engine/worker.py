@@ -1,0 +1,79 @@
+"""EngineWorker: an engine behind an asyncio API, one response stream per request. Plain Python; the prefill and
+decode roles wrap it in Ray actors, and tests drive it without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import torch
+
+from engine.engine import EngineCard, EngineConfig, LLMEngine
+from engine.loop import EngineLoop
+from llmapi.disaggregated_params import DisaggregatedParams
+from llmapi.outputs import EngineResponse
+from llmapi.sampling_params import SamplingParams
+
+_ACCEPT_TIMEOUT_S = 60.0
+
+
+class EngineWorker:
+    def __init__(self, model_dir: str, config: EngineConfig):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self.loop = EngineLoop(LLMEngine(model_dir, config), self._deliver, self._fail_all)
+
+    def card(self) -> EngineCard:
+        return self.loop.call(lambda e: e.card())
+
+    def meet(self, card: EngineCard) -> None:
+        """Checks compatibility with a peer and connects to it; raises ValueError naming any mismatch."""
+        self.loop.call(lambda e: e.meet(card.name, card.transport_info, card.layout, card.fingerprint))
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """(free, total) KV blocks of the engine's pool."""
+        return self.loop.call(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
+
+    def abort(self, request_id: int) -> None:
+        self.loop.post(lambda e: e.abort_request(request_id))
+
+    def stop_candidates(self, request_id: int, indices: list[int]) -> None:
+        self.loop.post(lambda e: [e.stop_candidate(request_id, i) for i in indices])
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+
+    async def stream(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                     disaggregated_params: DisaggregatedParams | None = None,
+                     echo_first_tokens: bool = True) -> AsyncIterator[EngineResponse]:
+        """Submits a request and yields its responses until the final one. Raises the engine's ValueError."""
+        self._aloop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        add = lambda e: e.add_request(request_id, prompt_token_ids, params, disaggregated_params, echo_first_tokens)  # noqa: E731
+        finished = False
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.loop.submit(add)), _ACCEPT_TIMEOUT_S)
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the consumer went away (or failed): free the request's blocks
+                self.abort(request_id)
+
+    # ---- on the engine thread ----
+    def _deliver(self, responses: list[EngineResponse]) -> None:
+        for rsp in responses:
+            stream = self._streams.get(rsp.request_id)
+            if stream is not None:
+                self._aloop.call_soon_threadsafe(stream.put_nowait, rsp)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            self._aloop.call_soon_threadsafe(stream.put_nowait, RuntimeError(f"the engine failed: {exc!r}"))

@@ -1,0 +1,43 @@
+"""A real two-node Ray cluster on this host: the head carries the `prefill` resource, the second node `decode`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import ray
+
+# Token auth is on by default in this Ray; the CLI and the driver must agree, so the test cluster runs without it.
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
+def _ray(*args: str) -> None:
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
+    subprocess.run([ray_cli, *args], env=ENV, check=True, timeout=120, capture_output=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    port = _free_port()
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=100000000",
+              "--disable-usage-stats"]
+    _ray("start", "--head", f"--port={port}", "--include-dashboard=false", '--resources={"prefill": 1}', *common)
+    try:
+        _ray("start", f"--address=127.0.0.1:{port}", '--resources={"decode": 1}', *common)
+        ray.init(address=f"127.0.0.1:{port}", _node_ip_address="127.0.0.1", log_to_driver=False)
+        yield f"127.0.0.1:{port}"
+    finally:
+        ray.shutdown()
+        subprocess.run([shutil.which("ray", path=os.path.dirname(sys.executable)), "stop", "--force"], env=ENV,
+                       timeout=60, capture_output=True)
