@@ -75,6 +75,7 @@ class KVImport:
     deadline: float  # time.monotonic()
     read: ReadHandle | None = None
     stage: str = "blocks"  # then "generations"
+    started: float = 0.0  # when the first read was posted
 
 
 class KVImporter:
@@ -86,6 +87,8 @@ class KVImporter:
         self.timeout_s = timeout_s
         self.waiting: list[KVImport] = []  # no free blocks yet
         self.active: list[KVImport] = []
+        self.bytes_read = 0  # KV bytes of completed, validated imports
+        self.last_import_s = 0.0  # duration of the latest one, first read posted to validated
 
     def add(self, seq: Sequence, handle: KVHandle) -> None:
         self.waiting.append(KVImport(seq, handle, time.monotonic() + self.timeout_s))
@@ -125,6 +128,7 @@ class KVImporter:
             self.waiting.remove(imp)
             self.active.append(imp)
             try:
+                imp.started = time.monotonic()
                 imp.read = self._read(imp, "blocks", b"")
             except (TransferError, ValueError) as e:
                 self.active.remove(imp)
@@ -157,4 +161,6 @@ class KVImporter:
         if seen != list(imp.handle.generations):
             return (f"KV blocks of context request {imp.handle.ctx_request_id} were reused on {imp.handle.agent!r} "
                     "while being read (lease ended)")
+        self.bytes_read += len(local) * imp.handle.layout.block_bytes
+        self.last_import_s = time.monotonic() - imp.started
         return None
