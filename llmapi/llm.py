@@ -12,10 +12,13 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from engine.engine import EngineConfig, LLMEngine
+from engine.kv_transfer import TransferError
 from llmapi.detokenized import DetokenizedGenerationResultBase
+from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
 from llmapi.result import RequestOutput
 from llmapi.sampling_params import SamplingParams
+from postproc.pool import PostprocPool
 
 Prompt = str | list[int]
 _IDLE_WAIT_S = 0.05
@@ -24,7 +27,8 @@ _IDLE_WAIT_S = 0.05
 class LLM:
     """`LLM(model=DIR)`: generate() for batches, generate_async() for one request (streaming or not)."""
 
-    def __init__(self, model: str, engine_config: EngineConfig | None = None, **engine_kwargs):
+    def __init__(self, model: str, engine_config: EngineConfig | None = None, num_postprocess_workers: int = 0,
+                 **engine_kwargs):
         self.model_dir = model
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.engine = LLMEngine(model, engine_config or EngineConfig(**engine_kwargs))
@@ -33,6 +37,11 @@ class LLM:
         self._records: dict[int, tuple[DetokenizedGenerationResultBase, RequestOutput]] = {}
         self._stopped = threading.Event()
         self._failure: BaseException | None = None
+        # N >= 1: detokenization and stop strings run in N worker processes, off the engine thread.
+        self._postproc = (
+            PostprocPool(model, num_postprocess_workers, self._stop_candidates, self._abort)
+            if num_postprocess_workers else None
+        )
         self._thread = threading.Thread(target=self._loop, name="raypd-engine", daemon=True)
         self._thread.start()
 
@@ -43,24 +52,33 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         timeout: float | None = None,
+        disaggregated_params: DisaggregatedParams | Sequence[DisaggregatedParams] | None = None,
     ) -> RequestOutput | list[RequestOutput]:
         """Generates for one prompt (returns one RequestOutput) or many (returns a list, in order)."""
         single = isinstance(inputs, str) or (bool(inputs) and isinstance(inputs[0], int))
         prompts = [inputs] if single else list(inputs)
-        params = _per_prompt(sampling_params, len(prompts))
-        results = [self.generate_async(p, sp) for p, sp in zip(prompts, params)]
+        params = _per_prompt(sampling_params, len(prompts), SamplingParams)
+        disagg = _per_prompt(disaggregated_params, len(prompts), DisaggregatedParams)
+        results = [self.generate_async(p, sp, disaggregated_params=dp) for p, sp, dp in zip(prompts, params, disagg)]
         for r in tqdm(results, disable=not use_tqdm or len(results) < 2, desc="raypd"):
             r.result(timeout)
         return results[0] if single else results
 
     def generate_async(self, inputs: Prompt, sampling_params: SamplingParams | None = None,
-                       streaming: bool = False) -> RequestOutput:
-        """Submits one request and returns at once; iterate the result to stream, or call result(timeout)."""
+                       streaming: bool = False,
+                       disaggregated_params: DisaggregatedParams | None = None) -> RequestOutput:
+        """Submits one request and returns at once; iterate the result to stream, or call result(timeout).
+
+        disaggregated_params: request_type "context_only" prefills and returns the first token with the KV handle
+        in result.disaggregated_params; "generation_only" continues from such a handle (read over NIXL).
+        """
         self._check_alive()
         params = copy.deepcopy(sampling_params or SamplingParams())
         prompt, ids = self._tokenize(inputs)
         request_id = next(self._ids)
-        result = RequestOutput(request_id, ids, params, prompt, streaming, abort_fn=self._abort)
+        disagg = copy.copy(disaggregated_params)
+        result = RequestOutput(request_id, ids, params, prompt, streaming, abort_fn=self._abort,
+                               disaggregated_params=disagg)
         record = DetokenizedGenerationResultBase(request_id, ids, params, self.tokenizer, streaming)
         done = threading.Event()
         self._commands.put(("add", request_id, (record, result), done))
@@ -71,6 +89,8 @@ class LLM:
         """Stops the loop; unfinished requests end with an error."""
         self._stopped.set()
         self._thread.join(timeout=30)
+        if self._postproc is not None:
+            self._postproc.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -89,6 +109,10 @@ class LLM:
     def _abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id, None, None))
 
+    def _stop_candidates(self, request_id: int, indices: tuple[int, ...]) -> None:
+        # A postproc worker's should_abort (stop string, hook): the engine thread stops them and frees their blocks.
+        self._commands.put(("stop", request_id, indices, None))
+
     def _wait_command(self, done: threading.Event) -> None:
         # The loop validates the request; an error there is re-raised here, on the caller's thread.
         if not done.wait(timeout=60):
@@ -105,11 +129,16 @@ class LLM:
         try:
             while not self._stopped.is_set():
                 self._run_commands(block=not self.engine.has_unfinished_requests())
-                for rsp in self.engine.step():
+                responses = self.engine.step()
+                if self._postproc is not None:
+                    self._postproc.send(responses)
+                    continue
+                for rsp in responses:
                     self._deliver(rsp)
         except BaseException as exc:  # a broken engine fails every request loudly instead of hanging them
             self._failure = exc
         self._fail_all(self._failure or RuntimeError("the LLM was shut down"))
+        self.engine.close()
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -127,11 +156,19 @@ class LLM:
         if kind == "abort":
             self.engine.abort_request(request_id)
             return
+        if kind == "stop":
+            for index in payload:
+                self.engine.stop_candidate(request_id, index)
+            return
         record, result = payload
         try:
-            self.engine.add_request(request_id, result.prompt_token_ids, result.sampling_params)
-            self._records[request_id] = payload
-        except ValueError as exc:
+            self.engine.add_request(request_id, result.prompt_token_ids, result.sampling_params,
+                                    result.disaggregated_params)
+            if self._postproc is not None:
+                self._postproc.submit(request_id, result)
+            else:
+                self._records[request_id] = payload
+        except (ValueError, TransferError) as exc:
             done.error = exc
         done.set()
 
@@ -151,12 +188,15 @@ class LLM:
         for _, result in self._records.values():
             result.put(exc)
         self._records.clear()
+        if self._postproc is not None:
+            self._postproc.fail_all(exc)
 
 
-def _per_prompt(params, count: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts: pass one, or one per prompt")
-    return params
+def _per_prompt(value, count: int, kind: type) -> list:
+    """One value per prompt, from None, one value, or a list of exactly one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    value = list(value)
+    if len(value) != count:
+        raise ValueError(f"got {len(value)} {kind.__name__} for {count} prompts: pass one, or one per prompt")
+    return value

@@ -1,0 +1,160 @@
+"""PostprocPool: the embedded LLM's postproc workers, N processes on this host, and the lane that feeds its results.
+
+The LLM's engine thread calls `submit` (once the engine accepted a request) and `send` (each step's responses); the
+lane thread puts each Output's ResultDelta into the request's result and hands `should_abort` to `stop_candidates`,
+which the LLM turns into a command for its engine thread (engine.stop_candidate frees the blocks). If a worker dies,
+every open request fails with its name and is aborted in the engine (`abort`), and later ones fail at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from typing import Callable
+
+import zmq.asyncio
+
+from llmapi.outputs import EngineResponse
+from llmapi.result import GenerationResult
+from postproc.pipes import PipeAddr, new_pipe_key, tcp_address
+from postproc.routing import Lane, Output, PostprocSender
+from postproc.worker import PostprocParams, PostprocWorker
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 120.0  # a spawned interpreter imports transformers: seconds on a busy 2-core host
+_STOP_TIMEOUT_S = 10.0
+
+StopCandidates = Callable[[int, tuple[int, ...]], None]
+Abort = Callable[[int], None]
+
+
+def _run_worker(pull_addr: PipeAddr, lane_addr: PipeAddr, tokenizer_dir: str, hook: str | None, conn) -> None:
+    """A worker process: binds, reports its pull address (or why it could not start), then serves until Shutdown."""
+    try:
+        worker = PostprocWorker(pull_addr, [lane_addr], tokenizer_dir, None, hook)
+    except BaseException as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+        raise
+    conn.send(worker.pull_pipe_addr)
+    conn.close()
+    worker.start()
+    # Outputs still queued reach their lane (up to the pipes' linger), then skip the interpreter's teardown: with
+    # torch imported (by transformers) it takes seconds, and nothing here needs it.
+    zmq.asyncio.Context.instance().term()
+    os._exit(0)
+
+
+class PostprocPool:
+    """N worker processes (spawned, each running PostprocWorker.start()), their sender and the LLM's lane."""
+
+    def __init__(self, tokenizer_dir: str, num_workers: int, stop_candidates: StopCandidates, abort: Abort,
+                 post_processor_hook: str | None = None):
+        if num_workers < 1:
+            raise ValueError(f"PostprocPool needs num_workers >= 1, got {num_workers}")
+        self._stop_candidates = stop_candidates
+        self._abort = abort  # not stop_candidates: a request not yet scheduled has no candidates to stop
+        self._results: dict[int, GenerationResult] = {}
+        self._lock = threading.Lock()  # _results is shared by the engine thread and the lane thread
+        self._broken: BaseException | None = None
+        self._closing = False
+        self._lane = Lane(self._on_output, on_tick=self._check_workers, name="raypd-postproc-lane")
+        self._procs: list[multiprocessing.Process] = []
+        try:
+            addrs = self._spawn(tokenizer_dir, num_workers, post_processor_hook)
+            self._sender = PostprocSender(addrs)
+        except BaseException:
+            for proc in self._procs:  # the others started fine but will never get a Shutdown: no grace period
+                proc.terminate()
+            self._stop_processes()
+            self._lane.close()
+            raise
+
+    def _spawn(self, tokenizer_dir: str, n: int, hook: str | None) -> list[PipeAddr]:
+        ctx = multiprocessing.get_context("spawn")  # fork would copy the engine thread's state and locks
+        conns = []
+        for i in range(n):
+            parent, child = ctx.Pipe(duplex=False)
+            args = ((tcp_address("127.0.0.1"), new_pipe_key()), self._lane.addr, tokenizer_dir, hook, child)
+            proc = ctx.Process(target=_run_worker, args=args, name=f"raypd-postproc-{i}", daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            conns.append(parent)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        return [self._started(i, conn, deadline) for i, conn in enumerate(conns)]
+
+    def _started(self, i: int, conn, deadline: float) -> PipeAddr:
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"postproc worker {i} did not start within {_START_TIMEOUT_S:.0f} s")
+        try:
+            reply = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"postproc worker {i} exited while starting (code {self._procs[i].exitcode})") from None
+        if isinstance(reply, str):
+            raise RuntimeError(f"postproc worker {i} failed to start: {reply}")
+        return reply
+
+    # ---- engine thread ----
+    def submit(self, request_id: int, result: GenerationResult) -> None:
+        """Routes the request's outputs to `result`; call after the engine accepted the request."""
+        if self._broken is not None:
+            result.put(self._broken)
+            self._abort(request_id)
+            return
+        with self._lock:
+            self._results[request_id] = result
+        params = PostprocParams(lane=0, prompt_token_ids=tuple(result.prompt_token_ids))
+        self._sender.submit(request_id, result.sampling_params, params, result.streaming, result.disaggregated_params)
+
+    def send(self, responses: list[EngineResponse]) -> None:
+        if responses:
+            self._sender.send(responses)
+
+    def fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            results, self._results = list(self._results.values()), {}
+        for result in results:
+            result.put(exc)
+
+    def close(self) -> None:
+        """Stops the workers (Shutdown, then terminate past a deadline) and the lane; after the engine thread ended."""
+        self._closing = True
+        self._sender.shutdown_workers()
+        self._stop_processes()
+        self._sender.close()
+        self._lane.close()
+
+    def _stop_processes(self) -> None:
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                logger.warning("postproc worker %s did not stop in time: terminating it", proc.name)
+                proc.terminate()
+                proc.join(2.0)
+
+    # ---- lane thread ----
+    def _on_output(self, out: Output) -> None:
+        with self._lock:
+            result = self._results.pop(out.client_id, None) if out.is_final else self._results.get(out.client_id)
+        if out.should_abort:
+            self._stop_candidates(out.client_id, out.should_abort)
+        if result is not None and out.res is not None:
+            result.put(out.res)
+
+    def _check_workers(self) -> None:
+        dead = [p for p in self._procs if p.exitcode is not None]
+        if self._closing or not dead or self._broken is not None:
+            return
+        self._broken = RuntimeError(f"postproc worker {dead[0].name} (pid {dead[0].pid}) exited with code "
+                                    f"{dead[0].exitcode}: its requests cannot finish")
+        with self._lock:
+            open_requests, self._results = self._results, {}
+        for request_id, result in open_requests.items():
+            result.put(self._broken)
+            self._abort(request_id)
