@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import copy
 import itertools
-import queue
-import threading
 from typing import Sequence
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.kv_transfer import TransferError
+from engine.loop import EngineLoop
 from llmapi.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
@@ -21,7 +19,6 @@ from llmapi.sampling_params import SamplingParams
 from postproc.pool import PostprocPool
 
 Prompt = str | list[int]
-_IDLE_WAIT_S = 0.05
 
 
 class LLM:
@@ -31,19 +28,16 @@ class LLM:
                  **engine_kwargs):
         self.model_dir = model
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.engine = LLMEngine(model, engine_config or EngineConfig(**engine_kwargs))
+        engine = LLMEngine(model, engine_config or EngineConfig(**engine_kwargs))
+        self.engine = engine
         self._ids = itertools.count()
-        self._commands: queue.Queue = queue.Queue()
-        self._records: dict[int, tuple[DetokenizedGenerationResultBase, RequestOutput]] = {}
-        self._stopped = threading.Event()
-        self._failure: BaseException | None = None
+        self._records: dict[int, tuple[DetokenizedGenerationResultBase, RequestOutput]] = {}  # engine thread only
         # N >= 1: detokenization and stop strings run in N worker processes, off the engine thread.
         self._postproc = (
             PostprocPool(model, num_postprocess_workers, self._stop_candidates, self._abort)
             if num_postprocess_workers else None
         )
-        self._thread = threading.Thread(target=self._loop, name="raypd-engine", daemon=True)
-        self._thread.start()
+        self.loop = EngineLoop(engine, self._on_step, self._fail_all)
 
     # ---- public API ----
     def generate(
@@ -80,15 +74,13 @@ class LLM:
         result = RequestOutput(request_id, ids, params, prompt, streaming, abort_fn=self._abort,
                                disaggregated_params=disagg)
         record = DetokenizedGenerationResultBase(request_id, ids, params, self.tokenizer, streaming)
-        done = threading.Event()
-        self._commands.put(("add", request_id, (record, result), done))
-        self._wait_command(done)
+        # The engine thread validates the request; its ValueError is raised here, on the caller's thread.
+        self.loop.call(lambda engine: self._add(engine, record, result))
         return result
 
     def shutdown(self) -> None:
         """Stops the loop; unfinished requests end with an error."""
-        self._stopped.set()
-        self._thread.join(timeout=30)
+        self.loop.shutdown()
         if self._postproc is not None:
             self._postproc.close()
 
@@ -107,70 +99,30 @@ class LLM:
         raise TypeError(f"a prompt is a string or a list of token ids, got {type(inputs).__name__}")
 
     def _abort(self, request_id: int) -> None:
-        self._commands.put(("abort", request_id, None, None))
+        self.loop.post(lambda engine: engine.abort_request(request_id))
 
     def _stop_candidates(self, request_id: int, indices: tuple[int, ...]) -> None:
         # A postproc worker's should_abort (stop string, hook): the engine thread stops them and frees their blocks.
-        self._commands.put(("stop", request_id, indices, None))
-
-    def _wait_command(self, done: threading.Event) -> None:
-        # The loop validates the request; an error there is re-raised here, on the caller's thread.
-        if not done.wait(timeout=60):
-            raise TimeoutError("the engine loop did not accept the request within 60 s")
-        if getattr(done, "error", None) is not None:
-            raise done.error
+        self.loop.post(lambda engine: [engine.stop_candidate(request_id, i) for i in indices])
 
     def _check_alive(self) -> None:
-        if self._stopped.is_set() or self._failure is not None:
-            raise RuntimeError(f"the LLM is shut down{f' ({self._failure})' if self._failure else ''}")
+        self.loop.check_alive()
 
-    # ---- the loop (engine thread) ----
-    def _loop(self) -> None:
-        try:
-            while not self._stopped.is_set():
-                self._run_commands(block=not self.engine.has_unfinished_requests())
-                responses = self.engine.step()
-                if self._postproc is not None:
-                    self._postproc.send(responses)
-                    continue
-                for rsp in responses:
-                    self._deliver(rsp)
-        except BaseException as exc:  # a broken engine fails every request loudly instead of hanging them
-            self._failure = exc
-        self._fail_all(self._failure or RuntimeError("the LLM was shut down"))
-        self.engine.close()
+    # ---- on the engine thread ----
+    def _add(self, engine: LLMEngine, record: DetokenizedGenerationResultBase, result: RequestOutput) -> None:
+        engine.add_request(result.request_id, result.prompt_token_ids, result.sampling_params,
+                           result.disaggregated_params)
+        if self._postproc is not None:
+            self._postproc.submit(result.request_id, result)
+        else:
+            self._records[result.request_id] = (record, result)
 
-    def _run_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
-        except queue.Empty:
+    def _on_step(self, responses: list[EngineResponse]) -> None:
+        if self._postproc is not None:
+            self._postproc.send(responses)
             return
-        while True:
-            self._run_command(*command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _run_command(self, kind: str, request_id: int, payload, done: threading.Event | None) -> None:
-        if kind == "abort":
-            self.engine.abort_request(request_id)
-            return
-        if kind == "stop":
-            for index in payload:
-                self.engine.stop_candidate(request_id, index)
-            return
-        record, result = payload
-        try:
-            self.engine.add_request(request_id, result.prompt_token_ids, result.sampling_params,
-                                    result.disaggregated_params)
-            if self._postproc is not None:
-                self._postproc.submit(request_id, result)
-            else:
-                self._records[request_id] = payload
-        except (ValueError, TransferError) as exc:
-            done.error = exc
-        done.set()
+        for rsp in responses:
+            self._deliver(rsp)
 
     def _deliver(self, rsp: EngineResponse) -> None:
         record, result = self._records.get(rsp.request_id, (None, None))
