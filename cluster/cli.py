@@ -1,0 +1,112 @@
+"""The `raypd` command. Each subcommand is one `_add_<name>(subparsers)` function that declares its arguments and sets
+`run` (args -> exit code); adding one is a function and a line in SUBCOMMANDS. Heavy imports (torch, Ray, matplotlib)
+happen inside `run`, so `raypd config-schema` and `raypd validate` answer at once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+from pydantic import ByteSize
+
+from cluster.config import ConfigError, RaypdConfig, Role, load_config
+
+
+def _add_config_schema(sub) -> None:
+    p = sub.add_parser("config-schema", help="print the deployment YAML's JSON schema")
+    p.set_defaults(run=_config_schema)
+
+
+def _config_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(RaypdConfig.model_json_schema(), indent=2))
+    return 0
+
+
+def _add_validate(sub) -> None:
+    p = sub.add_parser("validate", help="check a deployment YAML without starting anything")
+    p.add_argument("config", metavar="CONFIG", help="deployment YAML, e.g. configs/local.yaml")
+    p.set_defaults(run=_validate)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    e = config.engine
+    pool = f"{e.num_blocks} blocks" if e.num_blocks else (e.kv_cache_bytes or ByteSize(512 << 20)).human_readable()
+    print(f"{args.config}: ok")
+    print(f"  model {config.model_name} ({config.model}), dtype {config.dtype}, {e.device}, KV pool {pool}")
+    for name in ("prefill", "decode", "postproc", "ingress"):
+        print(f"  {name}: {_describe_role(getattr(config, name))}")
+    print(f"  router {config.router.policy.value}; http {config.http.host}:{config.http.port}"
+          f"{' (API key required)' if config.http.api_key_value() else ''}")
+    return 0
+
+
+def _describe_role(role: Role) -> str:
+    a = role.autoscaling
+    scale = f"{a.min_replicas}..{a.max_replicas} replicas (autoscaling)" if a else f"{role.replicas or 1} replica(s)"
+    return f"{scale}, each num_cpus={role.num_cpus}, num_gpus={role.num_gpus}, resources={role.resources}"
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark any OpenAI-compatible completions endpoint")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="API root (default: %(default)s)")
+    p.add_argument("--model", required=True, help="model name the endpoint serves")
+    p.add_argument("--api-key", default=None, help="bearer key, if the endpoint needs one")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals; inf: all at once")
+    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length in words (about tokens)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens per request (sent with ignore_eos)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput counts requests with TTFT within this")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput counts requests with TPOT within this")
+    p.add_argument("--request-timeout-s", type=float, default=120.0, help="each request's total budget")
+    p.add_argument("--num-warmups", type=int, default=0, help="unrecorded requests sent first, one at a time")
+    p.add_argument("--json", metavar="OUT", default=None, help="write results (per request too) to this JSON file")
+    p.add_argument("--plot", metavar="OUT.png", default=None, help="draw latency CDFs to this PNG")
+    p.set_defaults(run=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from cluster.bench import BenchConfig, run_benchmark
+    from cluster.bench_report import format_table, plot_latency_cdfs, write_json
+
+    config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
+    results = {args.base_url: run_benchmark(config)}
+    print(format_table(results))
+    errors = results[args.base_url].errors()
+    for error in errors[:5]:
+        print(f"failed: {error}", file=sys.stderr)
+    if args.json:
+        write_json(results, args.json)
+    if args.plot:
+        plot_latency_cdfs(results, args.plot)
+    return 1 if errors else 0
+
+
+SUBCOMMANDS = (_add_config_schema, _add_validate, _add_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raypd", description="Disaggregated prefill/decode LLM serving on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as exc:  # a bad config or bench setting: the message names the field; no traceback
+        print(f"raypd: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The deployment YAML: one file says which model runs, how each role scales and where its replicas go.
+
+Pydantic validates the whole file before anything starts, so a typo fails at `raypd validate` (or at start-up) with the
+path of the bad field, not minutes later inside a replica. Unknown keys are errors: a misspelt `replica:` silently
+falling back to a default is the failure this schema exists to prevent. `raypd config-schema` prints it as JSON schema.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import pathlib
+from typing import Any, Literal
+
+import yaml
+from pydantic import (BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
+
+
+class ConfigError(ValueError):
+    """A config that cannot start; the message names each bad field by its dotted path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Autoscaling(_Strict):
+    # Serve can scale to zero, but a role with no replica makes every request wait on a cold start, so min >= 1.
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas kept running.")
+    max_replicas: int = Field(ge=1, description="Most replicas Serve may start; must be >= min_replicas.")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="Ongoing requests per replica that Serve's autoscaler aims for.")
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_at_least_min(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("min_replicas")  # absent when min_replicas itself was invalid
+        if low is not None and value < low:
+            raise ValueError(f"must be >= min_replicas ({low}), got {value}")
+        return value
+
+
+class Role(_Strict):
+    """One role's Serve deployment: how many replicas and what each one asks Ray for."""
+
+    replicas: int | None = Field(None, ge=1, description="Fixed replica count; 1 when neither this nor autoscaling "
+                                                          "is given. Editing it and redeploying rescales live.")
+    autoscaling: Autoscaling | None = Field(None, description="Let Serve scale the role; excludes `replicas`.")
+    num_cpus: float | None = Field(None, ge=0, description="CPU slots per replica (Ray's num_cpus); unset: Serve's "
+                                                           "default (1). 0 on one host, where slots are bookkeeping.")
+    num_gpus: float = Field(0, ge=0, description="GPUs per replica (Ray's num_gpus).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica, e.g. {prefill: 1} to land on nodes "
+                                          "started with `--resources='{\"prefill\": N}'`. Empty: anywhere.")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Requests one replica accepts at once; more wait in Serve's queue. Serve's own default "
+                               "(5) would starve continuous batching.")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU"):  # Ray refuses these in `resources` at deploy time; say so now
+                raise ValueError(f"{name!r} is not a custom resource: use num_{name.lower()}s")
+            if amount <= 0:
+                raise ValueError(f"{name}: must be > 0, got {amount}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_way_to_scale(self) -> Role:
+        if self.replicas is not None and self.autoscaling is not None:
+            raise ValueError("give either `replicas` or `autoscaling`, not both")
+        return self
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Keyword arguments for a Serve deployment's `.options()`: replica count or autoscaling, and placement."""
+        actor: dict[str, Any] = {"num_gpus": self.num_gpus, "resources": dict(self.resources)}
+        if self.num_cpus is not None:
+            actor["num_cpus"] = self.num_cpus
+        options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling.model_dump()
+        else:
+            options["num_replicas"] = self.replicas or 1
+        return options
+
+
+class EngineSettings(_Strict):
+    """What every prefill and decode engine is built with (engine.engine.EngineConfig)."""
+
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model and its KV blocks live.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block; prefill and decode must agree.")
+    num_blocks: int | None = Field(None, ge=1, description="KV blocks per engine; excludes kv_cache_bytes.")
+    kv_cache_bytes: ByteSize | None = Field(
+        None, description="KV pool size per engine, e.g. 512MiB or 40GiB (512MiB when neither this nor num_blocks "
+                          "is given); excludes num_blocks.")
+    max_num_batched_tokens: int = Field(1024, ge=1, description="Per-step token budget; longer prompts are "
+                                                                "prefilled in chunks.")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests one engine runs at once.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per engine; unset: torch's "
+                                                            "default (all cores, which co-located engines fight over).")
+    seed: int = Field(0, description="Sampling seed for requests that bring none.")
+    kv_lease_s: float = Field(30.0, ge=1, description="How long a prefill engine holds a request's KV blocks for the "
+                                                      "decode side before freeing them.")
+    kv_transfer_timeout_s: float = Field(10.0, ge=1, description="A decode engine's budget to read one request's "
+                                                                 "prompt KV; past it the request fails, named.")
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> EngineSettings:
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give either `num_blocks` or `kv_cache_bytes`, not both")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes: must be >= 1 byte")
+        return self
+
+
+class RouterPolicy(str, enum.Enum):
+    LEAST_QUEUED_TOKENS = "least_queued_tokens"
+    ROUND_ROBIN = "round_robin"
+
+
+class RouterSettings(_Strict):
+    policy: RouterPolicy = Field(RouterPolicy.LEAST_QUEUED_TOKENS,
+                                 description="How the owner picks a prefill and a decode replica for each request.")
+
+
+class HttpSettings(_Strict):
+    host: str = Field("127.0.0.1", description="Address the OpenAI endpoint binds; 0.0.0.0 serves other hosts.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI endpoint.")
+    api_key: SecretStr | None = Field(None, description="Bearer key every request must carry; excludes api_key_env.")
+    api_key_env: str | None = Field(None, description="Name of an environment variable holding the key (keeps it "
+                                                      "out of the file); must be set when the config is loaded.")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_is_set(cls, value: str | None) -> str | None:
+        # Checked at load, not at the first request: an endpoint meant to be closed must not start open.
+        if value is not None and not os.environ.get(value):
+            raise ValueError(f"environment variable {value!r} is not set or empty")
+        return value
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> HttpSettings:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("give either `api_key` or `api_key_env`, not both")
+        return self
+
+    def api_key_value(self) -> str | None:
+        """The key requests must present, or None when the endpoint is open."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ[self.api_key_env] if self.api_key_env else None
+
+
+class RaypdConfig(_Strict):
+    """One raypd deployment: the model, its engines, each role's scaling and placement, routing and the endpoint."""
+
+    model: str = Field(description="Local Hugging Face checkpoint directory (config.json, safetensors, tokenizer). "
+                                   "A relative path is taken from the working directory and stored absolute; on a "
+                                   "multi-node cluster it must exist at that path on every node.")
+    served_model_name: str | None = Field(None, description="Name clients pass as `model`; default: the directory's "
+                                                            "name.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV dtype; auto: the checkpoint's own.")
+    engine: EngineSettings = Field(default_factory=EngineSettings,
+                                   description="How every prefill and decode engine is built: KV pool, batching.")
+    prefill: Role = Field(default_factory=Role, description="Prefill workers (context-only requests).")
+    decode: Role = Field(default_factory=Role, description="Decode workers (generation-only requests).")
+    postproc: Role = Field(default_factory=Role, description="Post-processing workers "
+                           "(detokenize, stop strings). A fixed count: requests go to worker `id % replicas`.")
+    ingress: Role = Field(default_factory=Role, description="OpenAI endpoint replicas; each owns its requests.")
+    router: RouterSettings = Field(default_factory=RouterSettings, description="Replica choice per request.")
+    http: HttpSettings = Field(default_factory=HttpSettings, description="The OpenAI-compatible HTTP endpoint.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Total budget of one request, from arrival to its "
+                                                              "last token; past it the client gets an error.")
+
+    @field_validator("model")
+    @classmethod
+    def _model_dir(cls, value: str) -> str:
+        path = pathlib.Path(value).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"no model directory at {value!r} (looked in {path.absolute()}); "
+                             f"`python -m engine.tiny {value}` builds the default tiny model")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{value!r} has no config.json: not a Hugging Face checkpoint directory")
+        return str(path.resolve())
+
+    @field_validator("postproc")
+    @classmethod
+    def _postproc_fixed(cls, value: Role) -> Role:
+        if value.autoscaling is not None:
+            raise ValueError("autoscaling is not supported: decode routes each request to postproc worker "
+                             "`id % count`, so the count is fixed; use `replicas`")
+        return value
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or pathlib.Path(self.model).name
+
+    @property
+    def num_postprocess_workers(self) -> int:
+        return self.postproc.replicas or 1
+
+    def engine_config(self, cluster_key: bytes | None = None) -> Any:
+        """The engine.engine.EngineConfig every prefill and decode engine of this deployment is built with."""
+        from engine.engine import EngineConfig  # imports torch: only where an engine is built, not for the CLI
+
+        e = self.engine
+        pool = {"num_blocks": e.num_blocks} if e.num_blocks else {}
+        if e.kv_cache_bytes is not None:
+            pool["kv_cache_bytes"] = int(e.kv_cache_bytes)
+        return EngineConfig(block_size=e.block_size, max_num_batched_tokens=e.max_num_batched_tokens,
+                            max_num_seqs=e.max_num_seqs, dtype=None if self.dtype == "auto" else self.dtype,
+                            device=e.device, num_threads=e.num_threads, seed=e.seed, kv_lease_s=e.kv_lease_s,
+                            kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key, **pool)
+
+
+def parse_config(data: Any, source: str = "config") -> RaypdConfig:
+    """Validates an already-parsed mapping (e.g. Serve application args); raises ConfigError naming every bad field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(data).__name__}")
+    try:
+        return RaypdConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+
+
+def load_config(path: str | os.PathLike) -> RaypdConfig:
+    """Reads and validates one deployment YAML; raises ConfigError (a ValueError) naming every bad field."""
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config({} if data is None else data, str(path))
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: {exc.error_count()} problem(s):"]
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {what}")
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""The deployment YAML schema, the `raypd` CLI's config commands and the `ray up` files, all checked offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from cluster.cli import main
+from cluster.config import ConfigError, RaypdConfig, load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SERVE_CONFIGS = ("local", "multinode")
+CLUSTER_FILES = ("aws", "gcp", "local")
+CLI_TIMEOUT_S = 120
+
+
+def _yaml(path: pathlib.Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A working directory holding the serve configs' (relative) model dirs, with the API key variable set."""
+    for name in SERVE_CONFIGS:
+        model = tmp_path / _yaml(REPO / "configs" / f"{name}.yaml")["model"]
+        model.mkdir(parents=True)
+        (model / "config.json").write_text("{}")  # all load_config checks; the engine reads the rest later
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAYPD_API_KEY", "test-key")
+    return tmp_path
+
+
+def test_local_config_is_the_single_node_default(workdir):
+    config = load_config(REPO / "configs" / "local.yaml")
+    assert config.model == str(workdir / "models" / "tiny-llama")
+    assert (config.prefill.replicas, config.decode.replicas, config.ingress.replicas) == (1, 1, 1)
+    assert config.num_postprocess_workers == 2
+    assert all(getattr(config, role).resources == {} for role in ("prefill", "decode", "postproc", "ingress"))
+    assert (config.http.host, config.http.port, config.http.api_key_value()) == ("127.0.0.1", 8000, None)
+    engine = config.engine_config(cluster_key=b"k")
+    assert (engine.device, engine.num_threads, engine.cluster_key, engine.dtype) == ("cpu", 1, b"k", None)
+    assert config.decode.deployment_options()["num_replicas"] == 1
+
+
+def test_multinode_config_places_roles_and_autoscales_decode(workdir):
+    config = load_config(REPO / "configs" / "multinode.yaml")
+    prefill, decode = config.prefill.deployment_options(), config.decode.deployment_options()
+    assert prefill["ray_actor_options"]["resources"] == {"prefill": 1}
+    assert decode["ray_actor_options"] == {"num_gpus": 1, "resources": {"decode": 1}}
+    assert "num_replicas" not in decode and decode["autoscaling_config"]["max_replicas"] > 1
+    assert config.http.api_key_value() == "test-key"
+    assert config.engine_config().device == "cuda"
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"decode": {"replicas": -1}}, "decode.replicas: Input should be greater than or equal to 1"),
+    ({"decode": {"replicas": 2, "autoscaling": {"max_replicas": 3}}},
+     "decode: give either `replicas` or `autoscaling`, not both"),
+    ({"prefill": {"replica": 2}}, "prefill.replica: unknown key"),
+    ({"colour": "blue"}, "colour: unknown key"),
+    ({"model": "models/missing"}, "model: no model directory at 'models/missing'"),
+    ({"decode": {"autoscaling": {"min_replicas": 4, "max_replicas": 2}}},
+     "decode.autoscaling.max_replicas: must be >= min_replicas (4), got 2"),
+    ({"decode": {"autoscaling": {"min_replicas": 0, "max_replicas": 2}}}, "decode.autoscaling.min_replicas:"),
+    ({"postproc": {"autoscaling": {"max_replicas": 3}}}, "postproc: autoscaling is not supported"),
+    ({"prefill": {"resources": {"GPU": 1}}}, "prefill.resources: 'GPU' is not a custom resource"),
+    ({"engine": {"num_blocks": 64, "kv_cache_bytes": "1GiB"}}, "engine: give either `num_blocks` or"),
+    ({"engine": {"kv_cache_bytes": "12 parsecs"}}, "engine.kv_cache_bytes: could not interpret byte unit"),
+    ({"engine": {"kv_lease_s": 0}}, "engine.kv_lease_s: Input should be greater than or equal to 1"),
+    ({"router": {"policy": "random"}}, "router.policy: Input should be 'least_queued_tokens' or 'round_robin'"),
+    ({"http": {"api_key_env": "RAYPD_TEST_UNSET_VARIABLE"}}, "http.api_key_env: environment variable"),
+    ({"http": {"api_key": "a", "api_key_env": "RAYPD_API_KEY"}}, "http: give either `api_key` or `api_key_env`"),
+    ({"dtype": "int4"}, "dtype: Input should be"),
+])
+def test_a_bad_config_fails_naming_the_field(workdir, change, expected):
+    path = workdir / "bad.yaml"
+    path.write_text(yaml.safe_dump({**_yaml(REPO / "configs" / "local.yaml"), **change}))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: 1 problem(s):")
+    assert expected in str(err.value)
+
+
+def test_every_problem_is_reported_at_once(workdir):
+    path = workdir / "bad.yaml"
+    path.write_text("model: nowhere\nprefill: {replicas: 0}\nhttp: {port: 70000}\n")
+    message = str(pytest.raises(ConfigError, load_config, path).value)
+    assert "3 problem(s)" in message
+    assert all(f"\n  {where}:" in message for where in ("model", "prefill.replicas", "http.port"))
+
+
+@pytest.mark.parametrize("text, expected", [("- a\n- b\n", "top level must be a mapping"),
+                                            ("model: [unclosed\n", "not valid YAML"),
+                                            ("", "model: Field required")])
+def test_a_file_that_is_no_config_fails_naming_the_file(workdir, text, expected):
+    path = workdir / "bad.yaml"
+    path.write_text(text)
+    message = str(pytest.raises(ConfigError, load_config, path).value)
+    assert message.startswith(str(path)) and expected in message
+    assert "cannot read" in str(pytest.raises(ConfigError, load_config, workdir / "absent.yaml").value)
+
+
+def test_every_field_has_a_description():
+    schema = RaypdConfig.model_json_schema()
+    models = [schema, *schema["$defs"].values()]
+    undescribed = [f"{m['title']}.{name}" for m in models for name, prop in m.get("properties", {}).items()
+                   if not prop.get("description")]
+    assert undescribed == []
+    assert all(m.get("additionalProperties") is False for m in models if "properties" in m)
+
+
+def test_config_schema_command_prints_json_schema():
+    # The installed console script when this venv has it (after `pip install -e .`), else the same entry point.
+    script = shutil.which("raypd", path=os.path.dirname(sys.executable))
+    command = [script] if script else [sys.executable, "-m", "cluster.cli"]
+    out = subprocess.run([*command, "config-schema"], capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+                         check=True, cwd=REPO).stdout
+    schema = json.loads(out)
+    sections = {"model", "engine", "prefill", "decode", "postproc", "ingress", "router", "http"}
+    assert sections <= schema["properties"].keys()
+    assert schema["required"] == ["model"]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["raypd"] == "cluster.cli:main"
+
+
+def test_validate_command_exit_codes(workdir, capsys):
+    assert main(["validate", str(REPO / "configs" / "local.yaml")]) == 0
+    assert "ok" in capsys.readouterr().out
+    (workdir / "bad.yaml").write_text("model: models/tiny-llama\ndecode: {replicas: -2}\n")
+    assert main(["validate", str(workdir / "bad.yaml")]) == 2
+    assert "decode.replicas:" in capsys.readouterr().err
+
+
+# ---- `ray up` files ----
+
+@pytest.mark.parametrize("name", CLUSTER_FILES)
+def test_cluster_file_passes_rays_own_validation(name):
+    raw = _yaml(REPO / "configs" / "cluster" / f"{name}.yaml")
+    validate_config(prepare_config(raw))
+    setup = raw["setup_commands"]
+    torch_at = next(i for i, c in enumerate(setup) if "torch==" in c)
+    assert torch_at < next(i for i, c in enumerate(setup) if "~/raypd" in c and "pip install" in c)
+
+
+@pytest.mark.parametrize("name", ["aws", "gcp"])
+def test_cloud_node_types_carry_the_role_resources(name):
+    raw = _yaml(REPO / "configs" / "cluster" / f"{name}.yaml")
+    types = raw["available_node_types"]
+    assert not {"prefill", "decode"} & set(types[raw["head_node_type"]]["resources"])
+    for role in ("prefill", "decode"):
+        carriers = [t for t in types.values() if t["resources"].get(role, 0) >= 1]
+        assert len(carriers) == 1 and 0 < carriers[0]["max_workers"] and carriers[0]["min_workers"] >= 1
+        gpu_type = carriers[0]["node_config"].get("InstanceType") or carriers[0]["node_config"]["machineType"]
+        assert re.match(r"(g\d|p\d|a2-|a3-|g2-)", gpu_type), gpu_type
+    # Every role resource the multi-node serve config asks for is advertised by some node type.
+    wanted = {res for role in ("prefill", "decode", "postproc", "ingress")
+              for res in _yaml(REPO / "configs" / "multinode.yaml")[role].get("resources", {})}
+    assert wanted <= {res for t in types.values() for res in t["resources"]}
+
+
+@pytest.mark.parametrize("ips, gpus, expected", [("10.0.0.11 172.17.0.1", 2, {"prefill": 2}),
+                                                 ("10.0.0.21", 0, {"decode": 1})])
+def test_onprem_workers_start_with_their_role_resource(ips, gpus, expected):
+    raw = _yaml(REPO / "configs" / "cluster" / "local.yaml")
+    start = raw["worker_start_ray_commands"][-1]
+    assert set(re.findall(r"\d+\.\d+\.\d+\.\d+", start)) <= set(raw["provider"]["worker_ips"])
+    # The command as a worker runs it, with hostname, nvidia-smi and ray stubbed to report what it would start.
+    stubs = (f'hostname() {{ echo "{ips} "; }}; nvidia-smi() {{ for i in $(seq {gpus}); do echo GPU; done; }}; '
+             'ray() { printf "%s\\n" "$@"; }; RAY_HEAD_IP=10.0.0.10; ')
+    out = subprocess.run(["bash", "-c", stubs + start], capture_output=True, text=True, timeout=30, check=True).stdout
+    args = out.splitlines()
+    assert "--address=10.0.0.10:6379" in args
+    assert json.loads(next(a for a in args if a.startswith("--resources=")).split("=", 1)[1]) == expected
