@@ -1,0 +1,105 @@
+"""The request owner: creates each request's GenerationResult, runs it prefill -> decode, post-processes what comes
+back into it. Where the roles live is behind `Roles`: plain Ray actors (ActorRoles) or Serve deployments (ServeRoles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import logging
+import uuid
+from typing import AsyncIterator, Protocol
+
+from llmapi.detokenized import DetokenizedGenerationResultBase
+from llmapi.disaggregated_params import DisaggregatedParams
+from llmapi.outputs import EngineResponse, TokenDelta
+from llmapi.result import RequestError, RequestOutput
+from llmapi.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Roles(Protocol):
+    """How an owner reaches the prefill and decode workers. Every call has the owner's deadline around it."""
+
+    async def prefill(self, result: RequestOutput) -> EngineResponse:
+        """The context-only response (first tokens, KV handle) of a prefill worker it picked."""
+
+    def decode(self, result: RequestOutput, params: DisaggregatedParams) -> AsyncIterator[EngineResponse]:
+        """The responses of a decode worker it picked; the first tokens are not repeated."""
+
+    def stop(self, request_id: int, indices: list[int], finished: bool) -> None:
+        """Candidates ended by post-processing (stop string); finished: the whole request is done."""
+
+    def abort(self, request_id: int) -> None:
+        """Stops the request wherever it is and frees its blocks."""
+
+
+class RequestOwner:
+    def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0):
+        self.roles = roles
+        self.tokenizer = tokenizer
+        self.request_timeout_s = request_timeout_s
+        self._ids = itertools.count(uuid.uuid4().int >> 80)  # unique across owners that share workers
+
+    def create(self, prompt: str | list[int], params: SamplingParams, streaming: bool = False,
+               ) -> tuple[RequestOutput, DetokenizedGenerationResultBase]:
+        """A new request's result and its post-processing record; run() then serves it."""
+        params = copy.deepcopy(params)
+        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        request_id = next(self._ids)
+        result = RequestOutput(request_id, ids, params, text, streaming, abort_fn=self.roles.abort)
+        return result, DetokenizedGenerationResultBase(request_id, ids, params, self.tokenizer, streaming)
+
+    async def run(self, result: RequestOutput, record: DetokenizedGenerationResultBase) -> None:
+        """Serves one request to its end; every failure reaches the result as an error that says where."""
+        try:
+            await asyncio.wait_for(self._serve(result, record), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            self.roles.abort(result.request_id)
+            result.put(RequestError(f"request {result.request_id} did not finish within {self.request_timeout_s} s"))
+        except Exception as exc:
+            result.put(exc if isinstance(exc, (ValueError, RequestError)) else RequestError(str(exc)))
+
+    async def _serve(self, result: RequestOutput, record: DetokenizedGenerationResultBase) -> None:
+        ctx = await self.roles.prefill(result)
+        if ctx.error is not None:
+            raise RequestError(ctx.error)
+        if self._deliver(result, record, _first_tokens(ctx, result.sampling_params, result.aborted())):
+            return
+        params = copy.copy(ctx.disaggregated_params)
+        params.request_type = "generation_only"
+        async for rsp in self.roles.decode(result, params):
+            if self._deliver(result, record, rsp):
+                return
+        if not record.finished:
+            raise RequestError(f"the decode worker ended request {result.request_id} without a final response")
+
+    def _deliver(self, result: RequestOutput, record: DetokenizedGenerationResultBase, rsp: EngineResponse) -> bool:
+        """Post-processes one response into the result; True once the request is finished."""
+        delta, to_stop = record.handle(rsp)
+        if to_stop:
+            self.roles.stop(rsp.request_id, to_stop, record.finished)
+        if delta is not None:
+            result.put(delta)
+        return record.finished
+
+
+def _first_tokens(ctx: EngineResponse, params: SamplingParams, aborted: bool) -> EngineResponse:
+    """The prefill worker's response as the owner streams it: a candidate is finished only if its first token ended
+    it (EOS, a stop token, max_tokens 1, cancelled) or the request was aborted meanwhile; otherwise decoding goes on."""
+    def final(d: TokenDelta) -> bool:
+        return d.finish_reason not in (None, "length") or params.max_tokens == 1
+
+    def owned(d: TokenDelta) -> TokenDelta:
+        if final(d):
+            return d
+        reason = "cancelled" if aborted else None
+        return TokenDelta(d.index, d.token_ids, d.cumulative_logprob, d.logprobs, reason)
+
+    deltas = tuple(owned(d) for d in ctx.deltas)
+    return EngineResponse(ctx.request_id, deltas, all(d.finish_reason for d in deltas), ctx.error, ctx.queue_time,
+                          ctx.prompt_logprobs, ctx.context_logits, ctx.disaggregated_params)
