@@ -43,11 +43,15 @@ class RequestOwner:
         self.request_timeout_s = request_timeout_s
         self._ids = itertools.count(uuid.uuid4().int >> 80)  # unique across owners that share workers
 
-    def create(self, prompt: str | list[int], params: SamplingParams, streaming: bool = False,
+    def create(self, prompt: str | list[int], params: SamplingParams, streaming: bool = False, text: str | None = None,
                ) -> tuple[RequestOutput, DetokenizedGenerationResultBase]:
-        """A new request's result and its post-processing record; run() then serves it."""
+        """A new request's result and its post-processing record; run() then serves it. `text`: the prompt's text
+        when `prompt` is already tokenized."""
         params = copy.deepcopy(params)
-        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         request_id = next(self._ids)

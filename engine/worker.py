@@ -36,6 +36,18 @@ class EngineWorker:
         """(free, total) KV blocks of the engine's pool."""
         return self.loop.call(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
 
+    def stats(self) -> dict[str, float]:
+        """KV pool occupancy, leases held and bytes read, for metrics."""
+        def read(e) -> dict[str, float]:
+            bm = e.block_manager
+            return {"kv_blocks_in_use": bm.num_blocks - bm.num_free_blocks, "kv_blocks_total": bm.num_blocks,
+                    "kv_leases": len(e.leases), "kv_bytes_read": e._importer.bytes_read if e._importer is not None else 0}
+        return self.loop.call(read)
+
+    def check_health(self) -> None:
+        """Raises if the engine loop has died (Serve then replaces the replica)."""
+        self.loop.check_alive()
+
     def abort(self, request_id: int) -> None:
         self.loop.post(lambda e: e.abort_request(request_id))
 

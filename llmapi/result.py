@@ -46,6 +46,7 @@ class GenerationResult:
         self._abort_fn = abort_fn
         self._disaggregated_params = disaggregated_params
         self._queue: queue.Queue[ResultDelta | BaseException] = queue.Queue()
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # an async consumer waiting
         self._candidates = [CompletionOutput(i) for i in range(sampling_params.num_candidates)]
         self._done = False
         self._aborted = False
@@ -61,6 +62,9 @@ class GenerationResult:
     def put(self, item: ResultDelta | BaseException) -> None:
         """Hands one step (or a failure) to the result; thread-safe."""
         self._queue.put(item)
+        waker = self._waker
+        if waker is not None:
+            waker[0].call_soon_threadsafe(waker[1].set)
 
     # ---- reference API properties ----
     @property
@@ -113,7 +117,12 @@ class GenerationResult:
         return self
 
     async def aresult(self, timeout: float | None = None) -> "GenerationResult":
-        return await asyncio.to_thread(self.result, timeout)
+        """result() for asyncio: waits on the event loop, holding no thread."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done:
+            await self._astep(deadline)
+        self._raise_if_failed()
+        return self
 
     def __iter__(self):
         return self
@@ -132,7 +141,10 @@ class GenerationResult:
     async def __anext__(self) -> "GenerationResult":
         if self._done:
             raise StopAsyncIteration
-        return await asyncio.to_thread(self.__next__)
+        for c in self._candidates:
+            c.mark_seen()
+        await self._astep(None)
+        return self
 
     def abort(self) -> None:
         """Asks the engine to stop the request; it then finishes with finish_reason 'cancelled'."""
@@ -153,11 +165,36 @@ class GenerationResult:
             item = self._queue.get(timeout=remaining)
         except queue.Empty:
             raise TimeoutError(f"request {self._request_id} did not finish within the timeout") from None
+        self._handle(item)
+
+    def _handle(self, item: ResultDelta | BaseException) -> None:
         if isinstance(item, BaseException):
             self._fail(f"{type(item).__name__}: {item}")
         else:
             self._apply(item)
         self._raise_if_failed()
+
+    async def _astep(self, deadline: float | None) -> None:
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+        self._waker = (loop, event)  # installed before looking at the queue, so no put() goes unnoticed
+        try:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                    break
+                except queue.Empty:
+                    pass
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"request {self._request_id} did not finish within the timeout")
+                try:
+                    await asyncio.wait_for(event.wait(), remaining)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"request {self._request_id} did not finish within the timeout") from None
+                event.clear()
+        finally:
+            self._waker = None
+        self._handle(item)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

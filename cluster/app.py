@@ -1,0 +1,50 @@
+"""build_app: the Ray Serve application of one deployment YAML.
+
+    serve run cluster.app:build_app config=configs/local.yaml     # or: raypd serve configs/local.yaml
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from ray import serve
+from ray.experimental import internal_kv
+
+from cluster.config import RaypdConfig, Role, load_config, parse_config
+from cluster.ingress import Ingress
+from decode.worker import DecodeWorker
+from prefill.worker import PrefillWorker
+
+_KEY_NAME = b"raypd/cluster_key"
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """args: {"config": PATH} (a deployment YAML) or the YAML's keys themselves. A bad config fails here, before
+    anything starts, naming the field."""
+    config = load_config(args["config"]) if set(args) == {"config"} else parse_config(dict(args), "app args")
+    return build_from_config(config)
+
+
+def build_from_config(config: RaypdConfig) -> serve.Application:
+    engine = dataclasses.replace(config.engine_config(), cluster_key=cluster_key())
+    prefill = serve.deployment(PrefillWorker, name="prefill").options(**config.prefill.deployment_options())
+    decode = serve.deployment(DecodeWorker, name="decode").options(**config.decode.deployment_options())
+    ingress = Ingress.options(name="ingress", **config.ingress.deployment_options())
+    # The key is read here, where the config was loaded: an api_key_env variable need not exist on replica nodes.
+    # Roles' scaling is left out of the ingress's arguments: a redeploy that only rescales then changes no replica's
+    # arguments, and Serve adds or removes replicas without restarting the others.
+    ingress_config = config.model_copy(update={role: Role() for role in ("prefill", "decode", "postproc", "ingress")})
+    return ingress.bind(ingress_config, prefill.bind(config.model, engine), decode.bind(config.model, engine),
+                        config.http.api_key_value())
+
+
+def cluster_key() -> bytes:
+    """The key that signs KV handles, the same for every build on this Ray cluster: redeploying with new replica
+    counts then changes nothing else, so Serve rescales in place instead of restarting every replica."""
+    key = internal_kv._internal_kv_get(_KEY_NAME)
+    if key is None:
+        internal_kv._internal_kv_put(_KEY_NAME, os.urandom(32), overwrite=False)
+        key = internal_kv._internal_kv_get(_KEY_NAME)
+    return key

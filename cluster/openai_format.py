@@ -1,0 +1,94 @@
+"""OpenAI response bodies: whole completions, streamed chunks, usage, logprobs, errors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from llmapi.outputs import CompletionOutput, TokenLogprobs
+from llmapi.result import GenerationResult
+
+
+class Formatter:
+    """Builds the JSON of one response (one id, one creation time) for completions or chat."""
+
+    def __init__(self, chat: bool, model: str, tokenizer, num_logprobs: int = 0):
+        self.chat = chat
+        self.num_logprobs = num_logprobs  # top alternatives asked for per position
+        self.model = model
+        self.tokenizer = tokenizer
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, results: list[GenerationResult]) -> dict:
+        # choice index = prompt index * n + candidate index, as OpenAI numbers a batch of prompts
+        outputs = [out for result in results for out in result.outputs]
+        body = self._envelope([self._choice(i, out) for i, out in enumerate(outputs)], chunk=False)
+        body["usage"] = usage(results)
+        return body
+
+    def _choice(self, index: int, out: CompletionOutput) -> dict:
+        logprobs = self.logprobs(out.token_ids, out.logprobs) if out.logprobs is not None else None
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        return choice
+
+    def chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+              finish_reason: str | None, first: bool) -> dict:
+        lp = self.logprobs(token_ids, logprobs) if logprobs is not None else None
+        choice = {"index": index, "logprobs": lp, "finish_reason": finish_reason}
+        if self.chat:
+            choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+        else:
+            choice["text"] = text
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, results: list[GenerationResult]) -> dict:
+        body = self._envelope([], chunk=True)
+        body["usage"] = usage(results)
+        return body
+
+    def logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> dict:
+        if self.chat:
+            return {"content": [self._chat_logprob(t, e) for t, e in zip(token_ids, entries)]}
+        tokens = [self._text(t) for t in token_ids]
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[t].logprob for t, e in zip(token_ids, entries)],
+            "top_logprobs": [{self._text(k): v.logprob for k, v in self._top(e)} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprob(self, token: int, entry: TokenLogprobs) -> dict:
+        text = self._text(token)
+        return {"token": text, "logprob": entry[token].logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self._text(k), "logprob": v.logprob, "bytes": list(self._text(k).encode())}
+                                 for k, v in self._top(entry)]}
+
+    def _top(self, entry: TokenLogprobs) -> list:
+        """The asked-for alternatives, most likely first (the entry also holds the chosen token, whatever its rank)."""
+        return sorted(((k, v) for k, v in entry.items() if v.rank <= self.num_logprobs), key=lambda kv: kv[1].rank)
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+
+def usage(results: list[GenerationResult]) -> dict:
+    prompt = sum(len(r.prompt_token_ids) for r in results)
+    completion = sum(len(o.token_ids) for r in results for o in r.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,102 @@
+"""OpenAI request bodies (pydantic, validated at the edge) and their translation to SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from llmapi.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a last chunk with token usage.")
+
+
+class _Sampling(BaseModel):
+    """Fields common to completions and chat completions. Unknown fields are ignored, as OpenAI's API does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="The served model's name (see /v1/models).")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="Extension: keep the k most likely tokens; 0 or -1 is off.")
+    n: int = Field(1, ge=1, le=16, description="Choices per prompt.")
+    stop: str | list[str] | None = Field(None, description="Up to 4 strings that end generation.")
+    seed: int | None = Field(None, description="Same seed, same prompt: same tokens.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="Extension: keep generating after EOS.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extension: token ids that end generation.")
+    presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
+    frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("at most 4 non-empty strings")
+        return stops
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _unsupported(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("penalties are not supported by this server; omit the field or send 0")
+        return value
+
+    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=max(self.top_k, 0), n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] = Field(description="A prompt, a token id list, or several prompts.")
+    max_tokens: int | None = Field(16, ge=1, description="Most tokens to generate per choice.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Top log-probabilities per token (0-5).")
+    echo: Literal[False] = Field(False, description="Not supported: must be false.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value):
+        if not value or (isinstance(value, list) and isinstance(value[0], str) and not all(value)):
+            raise ValueError("must not be empty")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+            return list(self.prompt)
+        return [self.prompt]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (newer name).")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,49 @@
+"""Roles on Ray Serve deployments: Serve picks the replica; an abort cancels the request's in-flight call, and the
+replica's cancellation path aborts it in the engine (its blocks are freed)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from llmapi.disaggregated_params import DisaggregatedParams
+from llmapi.outputs import EngineResponse
+from llmapi.result import RequestOutput
+
+
+class ServeRoles:
+    def __init__(self, prefill, decode):
+        self._prefill = prefill
+        self._decode = decode.options(stream=True)
+        self._inflight: dict[int, Any] = {}  # request id -> its DeploymentResponse(Generator)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def prefill(self, result: RequestOutput) -> EngineResponse:
+        self._loop = asyncio.get_running_loop()
+        response = self._prefill.prefill.remote(result.request_id, result.prompt_token_ids, result.sampling_params)
+        self._inflight[result.request_id] = response
+        try:
+            return await response
+        finally:
+            self._inflight.pop(result.request_id, None)
+
+    async def decode(self, result: RequestOutput, params: DisaggregatedParams) -> AsyncIterator[EngineResponse]:
+        stream = self._decode.generate.remote(result.request_id, result.prompt_token_ids, result.sampling_params,
+                                              params)
+        self._inflight[result.request_id] = stream
+        try:
+            async for rsp in stream:
+                yield rsp
+        finally:
+            self._inflight.pop(result.request_id, None)
+
+    def stop(self, request_id: int, indices: list[int], finished: bool) -> None:
+        # Serve gives no handle on the replica itself: stop the whole request once post-processing has ended it;
+        # until then a stopped candidate's extra tokens are dropped by the owner's record.
+        if finished:
+            self.abort(request_id)
+
+    def abort(self, request_id: int) -> None:
+        response = self._inflight.get(request_id)
+        if response is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(response.cancel)
