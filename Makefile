@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= models/tiny-llama
 
-.PHONY: test serve bench install clean
+.PHONY: test serve demo bench install clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,12 @@ $(MODEL)/config.json: | $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests
 
+# The whole disaggregated path on this machine: 1 prefill, 1 decode, the OpenAI ingress on 127.0.0.1:8000.
 serve: $(BIN)/.installed $(MODEL)/config.json
+	$(BIN)/raypd serve configs/local.yaml
+
+# The embedded engine, no Ray: prints a streamed completion.
+demo: $(BIN)/.installed $(MODEL)/config.json
 	$(BIN)/python -m llmapi.demo --model $(MODEL)
 
 bench: $(BIN)/.installed

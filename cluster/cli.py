@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import sys
+import threading
 
 from pydantic import ByteSize
 
@@ -88,7 +89,42 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-SUBCOMMANDS = (_add_config_schema, _add_validate, _add_bench)
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve a deployment YAML with Ray Serve (OpenAI endpoints)")
+    p.add_argument("config", metavar="CONFIG", help="deployment YAML, e.g. configs/local.yaml")
+    p.add_argument("--address", default=None, help="Ray cluster to deploy to (e.g. auto); default: start Ray here")
+    p.add_argument("--detach", action="store_true", help="deploy and return (needs --address); running it again "
+                                                         "with edited replica counts rescales live")
+    p.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config)  # a bad config fails here, before Ray starts
+    if args.detach and not args.address:
+        raise ConfigError("--detach needs --address: a Ray started here ends when this command does")
+    import ray
+    from ray import serve
+
+    from cluster.app import build_from_config
+
+    ray.init(address=args.address, include_dashboard=False if args.address is None else None,
+             namespace="raypd", log_to_driver=False)
+    serve.start(http_options={"host": config.http.host, "port": config.http.port})
+    serve.run(build_from_config(config), name="raypd", route_prefix="/", blocking=False)
+    print(f"raypd: serving {config.model_name!r} at http://{config.http.host}:{config.http.port}/v1", flush=True)
+    if args.detach:
+        return 0
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("raypd: stopping", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+SUBCOMMANDS = (_add_config_schema, _add_validate, _add_serve, _add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
