@@ -9,15 +9,19 @@ import dataclasses
 import os
 from typing import Any
 
+import ray
 from ray import serve
 from ray.experimental import internal_kv
 
 from cluster.config import RaypdConfig, Role, load_config, parse_config
 from cluster.ingress import Ingress
 from decode.worker import DecodeWorker
+from postproc.actor import PostprocActor
 from prefill.worker import PrefillWorker
 
 _KEY_NAME = b"raypd/cluster_key"
+_START_TIMEOUT_S = 120.0
+POSTPROC_NAMESPACE = "raypd"
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -29,6 +33,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 def build_from_config(config: RaypdConfig) -> serve.Application:
     engine = dataclasses.replace(config.engine_config(), cluster_key=cluster_key())
+    postprocs = start_postprocs(config)
+    addrs = ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=_START_TIMEOUT_S)
     prefill = serve.deployment(PrefillWorker, name="prefill").options(**config.prefill.deployment_options())
     decode = serve.deployment(DecodeWorker, name="decode").options(**config.decode.deployment_options())
     ingress = Ingress.options(name="ingress", **config.ingress.deployment_options())
@@ -36,8 +42,19 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     # Roles' scaling is left out of the ingress's arguments: a redeploy that only rescales then changes no replica's
     # arguments, and Serve adds or removes replicas without restarting the others.
     ingress_config = config.model_copy(update={role: Role() for role in ("prefill", "decode", "postproc", "ingress")})
-    return ingress.bind(ingress_config, prefill.bind(config.model, engine), decode.bind(config.model, engine),
-                        config.http.api_key_value())
+    return ingress.bind(ingress_config, prefill.bind(config.model, engine), decode.bind(config.model, engine, addrs),
+                        config.http.api_key_value(), postprocs)
+
+
+def start_postprocs(config: RaypdConfig) -> list:
+    """The postproc workers: named, detached actors, so every decode and ingress replica (and a later redeploy)
+    finds the same ones. Their count is fixed: requests go to worker `request id % count`."""
+    actor = ray.remote(PostprocActor)
+    role = config.postproc
+    options = dict(num_cpus=role.num_cpus or 0, num_gpus=role.num_gpus, resources=dict(role.resources),
+                   lifetime="detached", get_if_exists=True, namespace=POSTPROC_NAMESPACE)
+    return [actor.options(name=f"raypd-postproc-{i}", **options).remote(config.model)
+            for i in range(config.num_postprocess_workers)]
 
 
 def cluster_key() -> bytes:

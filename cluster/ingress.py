@@ -7,6 +7,7 @@ import hmac
 import json
 from typing import AsyncIterator
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +25,7 @@ from engine.config import load_spec
 from engine.kv_cache import KVLayout
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
+from postproc.routing import Lane
 
 app = FastAPI(title="raypd", description="OpenAI-compatible endpoints of a disaggregated prefill/decode cluster")
 _HEALTH_TIMEOUT_S = 10.0
@@ -145,11 +147,12 @@ def _abort_unfinished(results: list[RequestOutput]) -> None:
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, config: RaypdConfig, prefill, decode, api_key: str | None):
+    def __init__(self, config: RaypdConfig, prefill, decode, api_key: str | None, postprocs: list):
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.limits = EdgeLimits.of(self.config)
-        self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s)
+        self._lane, lanes = self._open_lane(postprocs)
+        self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s, lanes)
         self.metrics = Metrics()
         self._roles = {"prefill": prefill, "decode": decode}
         self._api_key = api_key
@@ -201,6 +204,19 @@ class Ingress:
         return await self._serve([(text, ids)], params, body, fmt)
 
     # ---- helpers ----
+    def _open_lane(self, postprocs: list) -> tuple[Lane | None, tuple[int, ...]]:
+        """This replica's lane: postproc workers push the outputs of its requests there (signed, over tcp)."""
+        if not postprocs:
+            return None, ()
+        loop = asyncio.get_event_loop()
+        lane = Lane(lambda out: loop.call_soon_threadsafe(self.owner.on_output, out),
+                    host=ray.util.get_node_ip_address())
+        return lane, tuple(ray.get([p.add_lane.remote(lane.addr) for p in postprocs], timeout=_HEALTH_TIMEOUT_S * 6))
+
+    def __del__(self):
+        if getattr(self, "_lane", None) is not None:
+            self._lane.close()
+
     def _authorize(self, request: Request) -> None:
         if self._api_key is None:
             return

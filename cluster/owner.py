@@ -37,11 +37,16 @@ class Roles(Protocol):
 
 
 class RequestOwner:
-    def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0):
+    """lanes: this owner's lane index on each postproc worker. With lanes, decoded tokens come back through the
+    postproc workers (detokenized there) to on_output(); without, the owner post-processes the decode stream itself."""
+
+    def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: tuple[int, ...] = ()):
         self.roles = roles
         self.tokenizer = tokenizer
         self.request_timeout_s = request_timeout_s
+        self.lanes = tuple(lanes)
         self._ids = itertools.count(uuid.uuid4().int >> 80)  # unique across owners that share workers
+        self._via_lane: dict[int, tuple[RequestOutput, asyncio.Event]] = {}
 
     def create(self, prompt: str | list[int], params: SamplingParams, streaming: bool = False, text: str | None = None,
                ) -> tuple[RequestOutput, DetokenizedGenerationResultBase]:
@@ -76,11 +81,44 @@ class RequestOwner:
             return
         params = copy.copy(ctx.disaggregated_params)
         params.request_type = "generation_only"
+        if self.lanes:
+            await self._decode_via_postproc(result, params)
+            return
         async for rsp in self.roles.decode(result, params):
             if self._deliver(result, record, rsp):
                 return
         if not record.finished:
             raise RequestError(f"the decode worker ended request {result.request_id} without a final response")
+
+    async def _decode_via_postproc(self, result: RequestOutput, params: DisaggregatedParams) -> None:
+        """Decoding runs on a decode worker; its text arrives on this owner's lane. Done when the final output has
+        arrived; the decode call is cancelled if post-processing ended the request first (stop string)."""
+        done = asyncio.Event()
+        self._via_lane[result.request_id] = (result, done)
+        call = asyncio.ensure_future(self.roles.decode_via_postproc(result, params, self.lanes))
+        final = asyncio.ensure_future(done.wait())
+        try:
+            await asyncio.wait({call, final}, return_when=asyncio.FIRST_COMPLETED)
+            if call.done() and not call.cancelled() and call.exception() is not None:
+                raise call.exception()
+            await final  # the engine is done; its last output may still be on its way through postproc
+        finally:
+            call.cancel()
+            final.cancel()
+            self._via_lane.pop(result.request_id, None)
+
+    def on_output(self, out) -> None:
+        """One postproc Output for a request of this owner (on the owner's event loop)."""
+        entry = self._via_lane.get(out.client_id)
+        if entry is None:
+            return
+        result, done = entry
+        if out.res is not None:
+            result.put(out.res)
+        if out.is_final:
+            done.set()
+        elif out.should_abort:
+            self.roles.stop(out.client_id, list(out.should_abort), False)
 
     def _deliver(self, result: RequestOutput, record: DetokenizedGenerationResultBase, rsp: EngineResponse) -> bool:
         """Post-processes one response into the result; True once the request is finished."""

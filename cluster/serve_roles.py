@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
+from decode.worker import PostprocRoute
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
 from llmapi.result import RequestOutput
@@ -15,6 +16,7 @@ class ServeRoles:
     def __init__(self, prefill, decode):
         self._prefill = prefill
         self._decode = decode.options(stream=True)
+        self._decode_call = decode
         self._inflight: dict[int, Any] = {}  # request id -> its DeploymentResponse(Generator)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -34,6 +36,20 @@ class ServeRoles:
         try:
             async for rsp in stream:
                 yield rsp
+        finally:
+            self._inflight.pop(result.request_id, None)
+
+    async def decode_via_postproc(self, result: RequestOutput, params: DisaggregatedParams,
+                                  lanes: tuple[int, ...]) -> None:
+        route = PostprocRoute(lanes, result.streaming)
+        response = self._decode_call.generate_via_postproc.remote(
+            result.request_id, result.prompt_token_ids, result.sampling_params, params, route)
+        self._inflight[result.request_id] = response
+        try:
+            await response
+        except asyncio.CancelledError:  # the owner is done with it (stop string, abort): stop the engine too
+            response.cancel()
+            raise
         finally:
             self._inflight.pop(result.request_id, None)
 

@@ -4,7 +4,7 @@ decode roles wrap it in Ray actors, and tests drive it without Ray."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -58,13 +58,18 @@ class EngineWorker:
         self.loop.shutdown()
 
     async def stream(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                     disaggregated_params: DisaggregatedParams | None = None,
-                     echo_first_tokens: bool = True) -> AsyncIterator[EngineResponse]:
-        """Submits a request and yields its responses until the final one. Raises the engine's ValueError."""
+                     disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True,
+                     on_accept: Callable[[LLMEngine], None] | None = None) -> AsyncIterator[EngineResponse]:
+        """Submits a request and yields its responses until the final one. Raises the engine's ValueError.
+        on_accept runs on the engine thread right after the engine took the request."""
         self._aloop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        add = lambda e: e.add_request(request_id, prompt_token_ids, params, disaggregated_params, echo_first_tokens)  # noqa: E731
+
+        def add(e: LLMEngine) -> None:
+            e.add_request(request_id, prompt_token_ids, params, disaggregated_params, echo_first_tokens)
+            if on_accept is not None:
+                on_accept(e)
         finished = False
         try:
             await asyncio.wait_for(asyncio.wrap_future(self.loop.submit(add)), _ACCEPT_TIMEOUT_S)
@@ -85,6 +90,12 @@ class EngineWorker:
             stream = self._streams.get(rsp.request_id)
             if stream is not None:
                 self._aloop.call_soon_threadsafe(stream.put_nowait, rsp)
+
+    def _fail(self, request_id: int, exc: BaseException) -> None:
+        """Ends one request's stream with an error (engine thread)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._aloop.call_soon_threadsafe(stream.put_nowait, exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in list(self._streams.values()):

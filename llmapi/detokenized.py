@@ -30,6 +30,12 @@ class DetokenizedGenerationResultBase:
         self._done = [False] * p.num_candidates
         self.finished = False
 
+    def prime(self, first_tokens: list[int]) -> None:
+        """Feeds each candidate's first token without reporting it: its text was delivered elsewhere (the prefill
+        side's response), but an unfinished character or a stop string may continue into the next tokens."""
+        for text, token in zip(self._texts, first_tokens):
+            text.add([token])
+
     def handle(self, rsp: EngineResponse) -> tuple[ResultDelta | None, list[int]]:
         if self.finished:
             return None, []

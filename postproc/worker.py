@@ -109,9 +109,14 @@ class PostprocWorker:
     @staticmethod
     def default_record_creator(inp: "PostprocWorker.Input", tokenizer) -> DetokenizedGenerationResultBase:
         prompt = inp.postproc_params.prompt_token_ids if inp.postproc_params else ()
-        return DetokenizedGenerationResultBase(
+        record = DetokenizedGenerationResultBase(
             inp.rsp.request_id, list(prompt), inp.sampling_params, tokenizer, bool(inp.streaming)
         )
+        dp = inp.disaggregated_params
+        if dp is not None and dp.request_type == "generation_only" and dp.first_gen_tokens:
+            # The owner streamed the first tokens from the prefill side; they still shape the text that follows.
+            record.prime(dp.first_gen_tokens)
+        return record
 
     @property
     def pull_pipe_addr(self) -> PipeAddr:

@@ -12,7 +12,9 @@ import openai
 import pytest
 from ray import serve
 
-from cluster.app import build_from_config
+import ray
+
+from cluster.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
 from llmapi import LLM, SamplingParams
 
@@ -30,7 +32,8 @@ def _config(model: str, port: int, decode_replicas: int = 1):
     return parse_config({
         "model": model, "served_model_name": "tiny",
         "engine": {"block_size": 4, "num_threads": 1, "kv_cache_bytes": "64MiB"},
-        "prefill": role, "decode": {**role, "replicas": decode_replicas}, "postproc": role, "ingress": role,
+        "prefill": role, "decode": {**role, "replicas": decode_replicas}, "postproc": {**role, "replicas": 2},
+        "ingress": role,
         "http": {"host": "127.0.0.1", "port": port, "api_key": KEY},
     })
 
@@ -43,6 +46,8 @@ def server(ray_cluster, tiny_llama):
     yield f"http://127.0.0.1:{port}", port
     serve.delete("raypd")
     serve.shutdown()
+    for i in range(2):  # the postproc workers are detached: they outlive the app unless killed
+        ray.kill(ray.get_actor(f"raypd-postproc-{i}", namespace=POSTPROC_NAMESPACE))
 
 
 @pytest.fixture(scope="module")
