@@ -225,8 +225,12 @@ class KVTransport(ABC):
             while True:
                 late = time.monotonic() - deadline
                 if late >= 0:
-                    raise TransferTimeout(f"read of {handle.num_blocks} block(s) from peer {handle.peer_name!r} "
-                                          f"missed its deadline by {late * 1e3:.1f} ms; it was cancelled")
+                    # Even if the data has landed meanwhile, a late read does not count: say so to later polls too.
+                    handle.error = TransferTimeout(f"read of {handle.num_blocks} block(s) from peer "
+                                                   f"{handle.peer_name!r} missed its deadline by {late * 1e3:.1f} ms; "
+                                                   "it was cancelled")
+                    handle.done = False
+                    raise handle.error
                 if self.poll(handle):
                     return
                 # back off: on a small host a spinning waiter steals the core the transfer needs

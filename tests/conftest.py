@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import json
+import os
 
-import pytest
-import torch
+# OpenMP's default spin-wait makes torch threads burn the cores they wait on; on a small shared host that slows
+# everything else (Ray workers, the other engine) by an order of magnitude. Set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.tiny import build_tiny_model
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.tiny import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
