@@ -53,7 +53,7 @@ def start_postprocs(config: RaypdConfig) -> list:
     role = config.postproc
     options = dict(num_cpus=role.num_cpus or 0, num_gpus=role.num_gpus, resources=dict(role.resources),
                    lifetime="detached", get_if_exists=True, namespace=POSTPROC_NAMESPACE)
-    return [actor.options(name=f"raypd-postproc-{i}", **options).remote(config.model)
+    return [actor.options(name=f"raypd-postproc-{i}", **options).remote(config.model, config.post_processor_hook)
             for i in range(config.num_postprocess_workers)]
 
 

@@ -172,6 +172,9 @@ class RaypdConfig(_Strict):
     ingress: Role = Field(default_factory=Role, description="OpenAI endpoint replicas; each owns its requests.")
     router: RouterSettings = Field(default_factory=RouterSettings, description="Replica choice per request.")
     http: HttpSettings = Field(default_factory=HttpSettings, description="The OpenAI-compatible HTTP endpoint.")
+    post_processor_hook: str | None = Field(None, description="Import path `module.Class` of a postproc.hooks."
+                                            "PostProcessorHook that every postproc worker builds once and runs on "
+                                            "every chunk (emit, suppress or terminate); it must import on every node.")
     request_timeout_s: float = Field(300.0, gt=0, description="Total budget of one request, from arrival to its "
                                                               "last token; past it the client gets an error.")
 

@@ -54,11 +54,10 @@ class AttentionMetadata:
         self.device = write_blocks.device
         self.write_blocks = write_blocks  # (T,) block of each new token
         self.write_offsets = write_offsets  # (T,) slot inside that block
-        self.decode: _DecodePlan | None = decode
+        self.decode: list[_DecodePlan] = decode  # buckets of decode tokens with similar context lengths
         self.prefills: list[_PrefillPlan] = prefills
         self.block_size = block_size
-        self._masks: dict[int | None, tuple] = {}
-        self.masks(None)
+        self._masks: dict[tuple, tuple] = {}
 
     @classmethod
     def build(cls, slices: list[SeqSlice], block_size: int, device) -> AttentionMetadata:
@@ -73,16 +72,19 @@ class AttentionMetadata:
         first_row = torch.cumsum(counts, 0) - counts  # (S,)
         pos = torch.arange(num_tokens, device=device) - first_row[seq_of_token] + starts[seq_of_token]  # (T,)
         write_blocks = tables[seq_of_token, pos // block_size]  # (T,)
-        decode = _decode_plan(slices, tables, first_row, starts, block_size)
+        decode = _decode_plans(slices, tables, first_row, starts, block_size)
         prefills = _prefill_plans(slices, tables, first_row.tolist(), block_size)
         return cls(num_tokens, write_blocks, pos % block_size, decode, prefills, block_size)
 
-    def masks(self, window: int | None) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """(decode mask (D, 1, 1, L) or None, one mask (1, 1, n, L) or None per prefill); True = may attend."""
-        if window not in self._masks:
-            decode = None if self.decode is None else _decode_mask(self.decode, self.block_size, window)
-            self._masks[window] = (decode, [_prefill_mask(p, window, self.device) for p in self.prefills])
-        return self._masks[window]
+    def masks(self, window: int | None, dtype: torch.dtype) -> tuple[list, list]:
+        """(one mask (D, 1, 1, L) or None per decode bucket, one mask (1, 1, n, L) or None per prefill), additive
+        (0 or -inf) in the query dtype: SDPA would otherwise convert a boolean mask in every layer."""
+        key = (window, dtype)
+        if key not in self._masks:
+            decode = [_additive(_decode_mask(p, self.block_size, window), dtype) for p in self.decode]
+            prefill = [_additive(_prefill_mask(p, window, self.device), dtype) for p in self.prefills]
+            self._masks[key] = (decode, prefill)
+        return self._masks[key]
 
 
 def _blocks_needed(tokens: int, block_size: int) -> int:
@@ -101,13 +103,25 @@ def _padded_tables(slices: list[SeqSlice], block_size: int, device) -> torch.Ten
     return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)  # (S, width)
 
 
-def _decode_plan(slices, tables, first_row, starts, block_size) -> _DecodePlan | None:
-    idx = [i for i, s in enumerate(slices) if s.num_new == 1]
-    if not idx:
-        return None
-    idx_t = torch.tensor(idx, dtype=torch.long, device=tables.device)  # (D,)
-    width = max(_blocks_needed(slices[i].start + 1, block_size) for i in idx)
-    return _DecodePlan(rows=first_row[idx_t], blocks=tables[idx_t, :width], query_pos=starts[idx_t])
+# A decode bucket holds sequences needing at least this fraction of its longest one's blocks: padding every sequence
+# to the batch's longest context would copy (and attend over) mostly padding when lengths spread widely.
+_BUCKET_FILL = 0.5
+
+
+def _decode_plans(slices, tables, first_row, starts, block_size) -> list[_DecodePlan]:
+    width = {i: _blocks_needed(s.start + 1, block_size) for i, s in enumerate(slices) if s.num_new == 1}
+    buckets: list[list[int]] = []
+    for i in sorted(width, key=width.get, reverse=True):
+        if not buckets or width[i] < _BUCKET_FILL * width[buckets[-1][0]]:
+            buckets.append([])
+        buckets[-1].append(i)
+    plans = []
+    for bucket in buckets:
+        longest = width[bucket[0]]
+        # in flat-batch order, so that a step of decode tokens alone, in one bucket, needs no scatter of the output
+        idx = torch.tensor(sorted(bucket), dtype=torch.long, device=tables.device)  # (D,)
+        plans.append(_DecodePlan(rows=first_row[idx], blocks=tables[idx, :longest], query_pos=starts[idx]))
+    return plans
 
 
 def _prefill_plans(slices, tables, first_rows: list[int], block_size) -> list[_PrefillPlan]:
@@ -142,6 +156,12 @@ def _prefill_mask(plan: _PrefillPlan, window: int | None, device) -> torch.Tenso
     return _visible(query_pos, torch.arange(context, device=device), window)[None, None]  # (1, 1, n, L)
 
 
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None):
     """Writes k, v (T, kv_heads, head_dim) into the cache views, returns attention output (T, heads, head_dim).
 
@@ -149,13 +169,13 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     """
     k_cache[meta.write_blocks, meta.write_offsets] = k
     v_cache[meta.write_blocks, meta.write_offsets] = v
-    decode_mask, prefill_masks = meta.masks(window)
-    if meta.decode is not None and not meta.prefills:
-        return _decode_attention(q[meta.decode.rows], k_cache, v_cache, meta.decode, decode_mask, scale)
+    decode_masks, prefill_masks = meta.masks(window, q.dtype)
+    if len(meta.decode) == 1 and not meta.prefills:
+        plan = meta.decode[0]
+        return _decode_attention(q[plan.rows], k_cache, v_cache, plan, decode_masks[0], scale)
     out = torch.empty_like(q)  # (T, heads, head_dim)
-    if meta.decode is not None:
-        rows = meta.decode.rows
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta.decode, decode_mask, scale)
+    for plan, mask in zip(meta.decode, decode_masks):
+        out[plan.rows] = _decode_attention(q[plan.rows], k_cache, v_cache, plan, mask, scale)
     for plan, mask in zip(meta.prefills, prefill_masks):
         rows = slice(plan.row, plan.row + plan.num_new)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, plan, mask, scale)

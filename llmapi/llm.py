@@ -25,7 +25,11 @@ class LLM:
     """`LLM(model=DIR)`: generate() for batches, generate_async() for one request (streaming or not)."""
 
     def __init__(self, model: str, engine_config: EngineConfig | None = None, num_postprocess_workers: int = 0,
-                 **engine_kwargs):
+                 post_processor_hook: str | None = None, **engine_kwargs):
+        """num_postprocess_workers: 0 detokenizes on the engine thread; N >= 1 in N worker processes, which also
+        run post_processor_hook ("module.Class", a postproc.hooks.PostProcessorHook) on every chunk."""
+        if post_processor_hook and not num_postprocess_workers:
+            raise ValueError("post_processor_hook runs in postproc workers: set num_postprocess_workers >= 1")
         self.model_dir = model
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         engine = LLMEngine(model, engine_config or EngineConfig(**engine_kwargs))
@@ -34,7 +38,7 @@ class LLM:
         self._records: dict[int, tuple[DetokenizedGenerationResultBase, RequestOutput]] = {}  # engine thread only
         # N >= 1: detokenization and stop strings run in N worker processes, off the engine thread.
         self._postproc = (
-            PostprocPool(model, num_postprocess_workers, self._stop_candidates, self._abort)
+            PostprocPool(model, num_postprocess_workers, self._stop_candidates, self._abort, post_processor_hook)
             if num_postprocess_workers else None
         )
         self.loop = EngineLoop(engine, self._on_step, self._fail_all)
