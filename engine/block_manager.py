@@ -13,7 +13,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))  # block 0 is taken first
         self._ref_counts = [0] * num_blocks
         # Allocation count per block. A reader on another engine compares it after reading a block: a changed
         # count means the block was freed and reused meanwhile, so the data read cannot be trusted.
@@ -69,7 +69,7 @@ class BlockManager:
         return table[-1], dst
 
     def _take(self) -> int:
-        block = self._free.popleft()
+        block = self._free.pop()  # the most recently freed block: likeliest still in the CPU's caches
         self._ref_counts[block] = 1
         self.generations[block] += 1
         return block

@@ -150,7 +150,8 @@ class KVImporter:
             if imp.stage == "blocks":
                 imp.stage = "generations"
                 imp.read = self._read(imp, "generations", release_message(imp.handle.ctx_request_id))
-                return False
+                if not self.transport.poll(imp.read):  # a few bytes: usually done at once, so no extra step
+                    return False
         except TransferError as e:
             return str(e)
         return self._validate(imp)
