@@ -9,6 +9,7 @@ import pytest
 
 from engine.kv_handle import KVHandle
 from llmapi import LLM, DisaggregatedParams, SamplingParams
+from tests.pools import wait_pools_full
 
 
 @pytest.fixture(scope="module")
@@ -17,19 +18,10 @@ def pair(tiny_llama):
         yield ctx, gen
 
 
-def wait_full(*llms: LLM, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    for llm in llms:
-        bm = llm.engine.block_manager
-        while bm.num_free_blocks != bm.num_blocks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert bm.num_free_blocks == bm.num_blocks, "KV blocks not back in the pool"
-
-
 @pytest.fixture(autouse=True)
 def pools_back_to_full(pair):
     yield
-    wait_full(*pair)
+    wait_pools_full(*pair)
 
 
 def disaggregated(ctx: LLM, gen: LLM, prompt, params: SamplingParams):
@@ -89,12 +81,12 @@ def test_expired_lease_is_never_read_and_the_request_re_prefills(tiny_llama):
         ref = ctx.generate("late decode", params)
         c = ctx.generate("late decode", params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
         time.sleep(2.0)  # the lease ends; the prefill side frees (and may reuse) the blocks
-        wait_full(ctx)
+        wait_pools_full(ctx)
         dp = c.disaggregated_params
         dp.request_type = "generation_only"
         g = gen.generate("late decode", params, disaggregated_params=dp)
         assert g.outputs[0].token_ids == ref.outputs[0].token_ids
-        wait_full(ctx, gen)
+        wait_pools_full(ctx, gen)
 
 
 def test_incompatible_engines_are_refused_at_handshake(model_factory, tiny_llama):
@@ -164,4 +156,4 @@ def test_dead_prefill_peer_fails_over_to_local_prefill(tiny_llama):
         g = gen.generate("the peer dies", params, disaggregated_params=dp, timeout=30)
         assert time.monotonic() - start < 15
         assert g.outputs[0].token_ids == ref.outputs[0].token_ids
-        wait_full(gen)
+        wait_pools_full(gen)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from llmapi import LLM, RequestOutput, SamplingParams
+from tests.pools import wait_pools_full
 
 
 @pytest.fixture(scope="module")
@@ -16,18 +17,10 @@ def llm(tiny_llama):
         yield llm
 
 
-def wait_blocks_free(llm: LLM, timeout: float = 5.0) -> None:
-    bm = llm.engine.block_manager
-    deadline = time.monotonic() + timeout
-    while bm.num_free_blocks != bm.num_blocks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert bm.num_free_blocks == bm.num_blocks, "KV blocks not returned to the pool"
-
-
 @pytest.fixture(autouse=True)
 def pool_back_to_full(llm):
     yield
-    wait_blocks_free(llm)
+    wait_pools_full(llm)
 
 
 def test_single_and_batch_generate(llm):
@@ -135,7 +128,7 @@ def test_abort_mid_stream_frees_blocks(llm):
     result.abort()
     result.result(timeout=10)
     assert result.outputs[0].finish_reason == "cancelled"
-    wait_blocks_free(llm)
+    wait_pools_full(llm)
 
 
 def test_metrics_recorded(llm):

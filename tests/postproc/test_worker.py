@@ -20,6 +20,7 @@ from postproc.hooks import PostProcessorHook, Terminate
 from postproc.pipes import new_pipe_key, sign, tcp_address
 from postproc.routing import Lane, PostprocSender
 from postproc.worker import PostprocParams, PostprocWorker
+from tests.pools import wait_pools_full
 from tests.postproc.test_pipes import Tripwire
 
 HOOKS = "tests.postproc.test_worker"
@@ -303,7 +304,7 @@ def test_stop_string_abort_frees_blocks_through_worker_processes(llms, monkeypat
     out = llm.generate(PROMPTS[0], greedy(400, stop=[stop]), timeout=30)
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
     assert out.outputs[0].text == free.text[: free.text.index(stop)]
-    _wait_blocks_free(llm)
+    wait_pools_full(llm)
     assert stops == [(out.request_id, 0)]  # should_abort reached the engine through the LLM's command queue
 
 
@@ -315,12 +316,6 @@ def test_dead_worker_fails_its_requests_by_name(llms):
         running.result(timeout=20)
     with pytest.raises(RequestError, match="raypd-postproc-0 .* exited"):
         llm.generate(PROMPTS[1], greedy(3), timeout=20)
-    _wait_blocks_free(llm)
+    wait_pools_full(llm)
 
 
-def _wait_blocks_free(llm: LLM, timeout: float = 10) -> None:
-    bm = llm.engine.block_manager
-    deadline = time.monotonic() + timeout
-    while (bm.num_free_blocks != bm.num_blocks or llm.engine.requests) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests, "KV blocks not back to the pool"
