@@ -15,6 +15,7 @@ from ray.experimental import internal_kv
 
 from cluster.config import RaypdConfig, Role, load_config, parse_config
 from cluster.ingress import Ingress
+from cluster.request_router import router_config
 from decode.worker import DecodeWorker
 from postproc.actor import PostprocActor
 from prefill.worker import PrefillWorker
@@ -35,8 +36,10 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     engine = dataclasses.replace(config.engine_config(), cluster_key=cluster_key())
     postprocs = start_postprocs(config)
     addrs = ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=_START_TIMEOUT_S)
-    prefill = serve.deployment(PrefillWorker, name="prefill").options(**config.prefill.deployment_options())
-    decode = serve.deployment(DecodeWorker, name="decode").options(**config.decode.deployment_options())
+    routing = router_config(config.router.policy.value)
+    extra = {"request_router_config": routing} if routing is not None else {}
+    prefill = serve.deployment(PrefillWorker, name="prefill").options(**config.prefill.deployment_options(), **extra)
+    decode = serve.deployment(DecodeWorker, name="decode").options(**config.decode.deployment_options(), **extra)
     ingress = Ingress.options(name="ingress", **config.ingress.deployment_options())
     # The key is read here, where the config was loaded: an api_key_env variable need not exist on replica nodes.
     # Roles' scaling is left out of the ingress's arguments: a redeploy that only rescales then changes no replica's

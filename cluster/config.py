@@ -117,12 +117,15 @@ class EngineSettings(_Strict):
 
 class RouterPolicy(str, enum.Enum):
     LEAST_QUEUED_TOKENS = "least_queued_tokens"
-    ROUND_ROBIN = "round_robin"
+    POWER_OF_TWO_CHOICES = "power_of_two_choices"  # Serve's default: the shorter queue of two random replicas
 
 
 class RouterSettings(_Strict):
-    policy: RouterPolicy = Field(RouterPolicy.LEAST_QUEUED_TOKENS,
-                                 description="How the owner picks a prefill and a decode replica for each request.")
+    policy: RouterPolicy = Field(
+        RouterPolicy.LEAST_QUEUED_TOKENS,
+        description="How a prefill and a decode replica are picked for each request: least_queued_tokens (each "
+                    "replica reports its engine's queued tokens every 0.5 s) or Serve's power_of_two_choices "
+                    "(ongoing requests).")
 
 
 class HttpSettings(_Strict):

@@ -154,6 +154,16 @@ class LLMEngine:
         if req.finished:
             del self.requests[request_id]
 
+    def queued_tokens(self) -> int:
+        """Work this engine has accepted and not done: tokens to compute plus tokens still to generate."""
+        total = 0
+        for req in self.requests.values():
+            left = req.sampling_params.max_tokens
+            for seq in req.seqs:
+                if not seq.finished:
+                    total += seq.num_tokens - seq.num_computed_tokens + max(0, left - seq.num_output_tokens)
+        return total
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
 

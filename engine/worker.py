@@ -44,6 +44,10 @@ class EngineWorker:
                     "kv_leases": len(e.leases), "kv_bytes_read": e._importer.bytes_read if e._importer is not None else 0}
         return self.loop.call(read)
 
+    def record_routing_stats(self) -> dict[str, int]:
+        """Serve asks each replica for this periodically; its request router sends work to the least queued."""
+        return {"queued_tokens": self.loop.call(lambda e: e.queued_tokens())}
+
     def check_health(self) -> None:
         """Raises if the engine loop has died (Serve then replaces the replica)."""
         self.loop.check_alive()
