@@ -105,7 +105,7 @@ def _padded_tables(slices: list[SeqSlice], block_size: int, device) -> torch.Ten
 
 # A decode bucket holds sequences needing at least this fraction of its longest one's blocks: padding every sequence
 # to the batch's longest context would copy (and attend over) mostly padding when lengths spread widely.
-_BUCKET_FILL = 0.5
+_BUCKET_FILL = 0.8
 
 
 def _decode_plans(slices, tables, first_row, starts, block_size) -> list[_DecodePlan]:
