@@ -29,6 +29,11 @@ class Roles(Protocol):
     def decode(self, result: RequestOutput, params: DisaggregatedParams) -> AsyncIterator[EngineResponse]:
         """The responses of a decode worker it picked; the first tokens are not repeated."""
 
+    async def decode_via_postproc(self, result: RequestOutput, params: DisaggregatedParams,
+                                  lanes: tuple[int, ...]) -> None:
+        """Decodes on a worker that pushes the tokens to the postproc workers (lane index per worker); returns when
+        the engine is done. Needed only by owners that have lanes."""
+
     def stop(self, request_id: int, indices: list[int], finished: bool) -> None:
         """Candidates ended by post-processing (stop string); finished: the whole request is done."""
 

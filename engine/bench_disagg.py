@@ -55,16 +55,16 @@ def _prefill(engine: LLMEngine, request_id: int, ids: list[int]):
 def _import(engine: LLMEngine, request_id: int, ids: list[int], dp: DisaggregatedParams) -> float:
     """Seconds from the first READ until the request's KV is in place and validated (the engine's own clock)."""
     dp.request_type = "generation_only"
-    before = engine._importer.bytes_read if engine._importer is not None else 0
+    before = engine.kv_bytes_read
     engine.add_request(request_id, ids, PARAMS, dp, echo_first_tokens=False)
     deadline = time.monotonic() + TIMEOUT_S
-    while engine._importer.bytes_read == before:
+    while engine.kv_bytes_read == before:
         if time.monotonic() > deadline:
             raise TimeoutError(f"import of request {request_id} did not finish")
         engine.step()
     engine.abort_request(request_id)
     engine.step()
-    return engine._importer.last_import_s
+    return engine.last_import_s
 
 
 def _measure(conn, decode: LLMEngine, n: int, repeats: int) -> tuple[float, float]:

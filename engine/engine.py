@@ -154,6 +154,16 @@ class LLMEngine:
         if req.finished:
             del self.requests[request_id]
 
+    @property
+    def kv_bytes_read(self) -> int:
+        """KV bytes this engine has imported from prefill engines (validated reads only)."""
+        return self._importer.bytes_read if self._importer is not None else 0
+
+    @property
+    def last_import_s(self) -> float:
+        """Seconds the latest KV import took, first READ posted to validated."""
+        return self._importer.last_import_s if self._importer is not None else 0.0
+
     def queued_tokens(self) -> int:
         """Work this engine has accepted and not done: tokens to compute plus tokens still to generate."""
         total = 0

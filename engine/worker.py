@@ -41,7 +41,7 @@ class EngineWorker:
         def read(e) -> dict[str, float]:
             bm = e.block_manager
             return {"kv_blocks_in_use": bm.num_blocks - bm.num_free_blocks, "kv_blocks_total": bm.num_blocks,
-                    "kv_leases": len(e.leases), "kv_bytes_read": e._importer.bytes_read if e._importer is not None else 0}
+                    "kv_leases": len(e.leases), "kv_bytes_read": e.kv_bytes_read}
         return self.loop.call(read)
 
     def record_routing_stats(self) -> dict[str, int]:
