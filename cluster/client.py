@@ -66,6 +66,9 @@ class ActorRoles:
             self.decode_router.release(i, cost)
             self._where.pop(result.request_id, None)
 
+    def release(self, params: DisaggregatedParams) -> None:
+        self.decode_router.workers[0].release_kv.remote(params)
+
     def stop(self, request_id: int, indices: list[int], finished: bool) -> None:
         worker = self._where.get(request_id)
         if worker is not None:

@@ -34,6 +34,9 @@ class Roles(Protocol):
         """Decodes on a worker that pushes the tokens to the postproc workers (lane index per worker); returns when
         the engine is done. Needed only by owners that have lanes."""
 
+    def release(self, params: DisaggregatedParams) -> None:
+        """Frees the prefill side's blocks of a request that will not be decoded (via any decode worker)."""
+
     def stop(self, request_id: int, indices: list[int], finished: bool) -> None:
         """Candidates ended by post-processing (stop string); finished: the whole request is done."""
 
@@ -83,6 +86,8 @@ class RequestOwner:
         if ctx.error is not None:
             raise RequestError(ctx.error)
         if self._deliver(result, record, _first_tokens(ctx, result.sampling_params, result.aborted())):
+            if ctx.disaggregated_params is not None:
+                self.roles.release(ctx.disaggregated_params)  # nobody will read the prompt's KV: free it now
             return
         params = copy.copy(ctx.disaggregated_params)
         params.request_type = "generation_only"

@@ -53,6 +53,10 @@ class ServeRoles:
         finally:
             self._inflight.pop(result.request_id, None)
 
+    def release(self, params: DisaggregatedParams) -> None:
+        # Any decode replica can tell the prefill engine over NIXL; Serve gives no handle on the prefill replica.
+        self._decode_call.release_kv.remote(params)
+
     def stop(self, request_id: int, indices: list[int], finished: bool) -> None:
         # Serve gives no handle on the replica itself: stop the whole request once post-processing has ended it;
         # until then a stopped candidate's extra tokens are dropped by the owner's record.

@@ -359,6 +359,17 @@ class LLMEngine:
         else:
             self._importer.add(alive[0], handle)
 
+    def release_kv(self, params: DisaggregatedParams) -> None:
+        """Tells the prefill engine named by a KV handle that its blocks will not be read (the request ended before
+        decoding): it frees them now instead of when the lease ends. Refuses a handle whose signature fails."""
+        handle = KVHandle.open(params.opaque_state, self.config.cluster_key)
+        try:
+            self.meet(handle.agent, handle.transport_info, handle.layout, handle.fingerprint)
+        except TransferError as e:
+            log.info("prefill engine of context request %d unreachable: %s", handle.ctx_request_id, e)
+            return
+        self._release_unread(handle)
+
     def _release_unread(self, handle: KVHandle) -> None:
         try:
             self.transport.send_notification(handle.agent, release_message(handle.ctx_request_id))

@@ -52,6 +52,10 @@ class EngineWorker:
         """Raises if the engine loop has died (Serve then replaces the replica)."""
         self.loop.check_alive()
 
+    def release_kv(self, params: DisaggregatedParams) -> None:
+        """Frees a context-only request's blocks on its prefill engine without reading them (over NIXL)."""
+        self.loop.post(lambda e: e.release_kv(params))
+
     def abort(self, request_id: int) -> None:
         self.loop.post(lambda e: e.abort_request(request_id))
 

@@ -88,3 +88,9 @@ def test_abort_frees_both_sides(client, workers):
     result.result(timeout=30)
     assert result.outputs[0].finish_reason == "cancelled"
     pools_full(workers.prefill + workers.decode)
+
+
+def test_a_request_that_ends_at_prefill_frees_the_prefill_blocks_at_once(client, workers):
+    out = client.generate("one token only", SamplingParams(max_tokens=1, temperature=0), timeout=60)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    pools_full(workers.prefill, timeout=5.0)  # well before the 30 s lease would end

@@ -156,3 +156,16 @@ def test_live_rescale_of_decode_under_streaming_load(server, client, tiny_llama)
     assert not failures and all(done) and len(done) == 6
     status = serve.status().applications["raypd"].deployments["decode"]
     assert status.replica_states.get("RUNNING") == 2
+
+
+def test_a_request_that_ends_at_prefill_frees_the_prefill_blocks_at_once(client):
+    got = client.completions.create(model="tiny", prompt="just one", max_tokens=1, temperature=0)
+    assert got.choices[0].finish_reason == "length"
+    prefill = serve.get_deployment_handle("prefill", app_name="raypd")
+    deadline = time.monotonic() + 5.0  # the lease would hold them for 30 s
+    while True:
+        free, total = prefill.kv_blocks.remote().result(timeout_s=30)
+        if free == total:
+            break
+        assert time.monotonic() < deadline, f"prefill still holds {total - free} blocks"
+        time.sleep(0.05)
