@@ -45,7 +45,8 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     # Roles' scaling is left out of the ingress's arguments: a redeploy that only rescales then changes no replica's
     # arguments, and Serve adds or removes replicas without restarting the others.
     ingress_config = config.model_copy(update={role: Role() for role in ("prefill", "decode", "postproc", "ingress")})
-    return ingress.bind(ingress_config, prefill.bind(config.model, engine), decode.bind(config.model, engine, addrs),
+    prefill_app = None if config.mode == "colocated" else prefill.bind(config.model, engine)
+    return ingress.bind(ingress_config, prefill_app, decode.bind(config.model, engine, addrs),
                         config.http.api_key_value(), postprocs)
 
 

@@ -1,5 +1,5 @@
-"""The same workload through the Serve deployment (disaggregated, OpenAI over HTTP) and through the embedded engine,
-side by side in one process: `python -m cluster.bench_compare [--config configs/local.yaml]`.
+"""The same workload through the Serve deployment (disaggregated, then colocated; OpenAI over HTTP) and through the
+embedded engine, side by side in one process: `python -m cluster.bench_compare [--config configs/local.yaml]`.
 
 The embedded engine is timed the way the HTTP client times the server: from submitting a request to its first and
 last streamed token, so the difference is what the cluster path adds (HTTP, Ray, the KV transfer, the postproc hop).
@@ -46,18 +46,23 @@ def _one(llm: LLM, spec) -> RequestRecord:
     return record
 
 
-def served(config: RaypdConfig, bench: BenchConfig) -> BenchResult:
+def served(config: RaypdConfig, bench: BenchConfig) -> dict[str, BenchResult]:
+    """The workload through the Serve app, disaggregated and then colocated, in one local Ray."""
     import ray
     from ray import serve
 
     from cluster.app import POSTPROC_NAMESPACE, build_from_config
 
     ray.init(include_dashboard=False, namespace=POSTPROC_NAMESPACE, log_to_driver=False)
+    results = {}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": config.http.port})
-        serve.run(build_from_config(config), name="raypd", route_prefix="/")
-        return run_benchmark(dataclasses.replace(bench, base_url=f"http://127.0.0.1:{config.http.port}/v1",
-                                                 api_key=config.http.api_key_value()))
+        for mode in ("disaggregated", "colocated"):
+            serve.run(build_from_config(config.model_copy(update={"mode": mode})), name="raypd", route_prefix="/")
+            results[f"serve, {mode}"] = run_benchmark(dataclasses.replace(
+                bench, base_url=f"http://127.0.0.1:{config.http.port}/v1", api_key=config.http.api_key_value()))
+            serve.delete("raypd")
+        return results
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -74,9 +79,9 @@ def main(argv=None) -> None:
     config = config.model_copy(update={"http": config.http.model_copy(update={"port": _free_port()})})
     bench = BenchConfig(base_url="", model=config.model_name, num_requests=args.num_requests, concurrency=1,
                         input_len=args.input_len, output_len=args.output_len, num_warmups=3)
-    results = {"embedded engine": embedded(config, bench), "serve, disaggregated": served(config, bench)}
+    results = {"embedded engine": embedded(config, bench), **served(config, bench)}
     print(format_table(results))
-    emb, srv = (r.latency_ms for r in results.values())
+    emb, srv = results["embedded engine"].latency_ms, results["serve, disaggregated"].latency_ms
     print(f"\nTTFT overhead p50: {srv('ttft').p50 - emb('ttft').p50:+.1f} ms (target <= 10 ms); "
           f"TPOT overhead p50: {100 * (srv('tpot').p50 / emb('tpot').p50 - 1):+.1f}% (target <= 10%)")
 

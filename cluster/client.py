@@ -33,6 +33,7 @@ class ActorRoles:
         self.prefill_router = Router(prefill, "prefill")
         self.decode_router = Router(decode, "decode")
         self.call_timeout_s = call_timeout_s
+        self.colocated = False
         self._where: dict[int, Any] = {}  # request id -> the actor that holds it now
 
     async def prefill(self, result: RequestOutput) -> EngineResponse:

@@ -164,6 +164,10 @@ class RaypdConfig(_Strict):
                                    "multi-node cluster it must exist at that path on every node.")
     served_model_name: str | None = Field(None, description="Name clients pass as `model`; default: the directory's "
                                                             "name.")
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: prefill replicas compute prompts, decode replicas read their KV "
+                                     "over NIXL and generate. colocated: decode replicas serve whole requests and "
+                                     "the prefill role is not started (the baseline to compare against).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV dtype; auto: the checkpoint's own.")
     engine: EngineSettings = Field(default_factory=EngineSettings,

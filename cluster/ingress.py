@@ -154,7 +154,7 @@ class Ingress:
         self._lane, lanes = self._open_lane(postprocs)
         self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s, lanes)
         self.metrics = Metrics()
-        self._roles = {"prefill": prefill, "decode": decode}
+        self._roles = {name: h for name, h in (("prefill", prefill), ("decode", decode)) if h is not None}
         self._api_key = api_key
 
     # ---- endpoints ----

@@ -21,7 +21,10 @@ log = logging.getLogger(__name__)
 
 
 class Roles(Protocol):
-    """How an owner reaches the prefill and decode workers. Every call has the owner's deadline around it."""
+    """How an owner reaches the prefill and decode workers. Every call has the owner's deadline around it.
+    colocated: there is no prefill role; decode workers serve whole requests (params None below)."""
+
+    colocated: bool
 
     async def prefill(self, result: RequestOutput) -> EngineResponse:
         """The context-only response (first tokens, KV handle) of a prefill worker it picked."""
@@ -82,6 +85,9 @@ class RequestOwner:
             result.put(exc if isinstance(exc, (ValueError, RequestError)) else RequestError(str(exc)))
 
     async def _serve(self, result: RequestOutput, record: DetokenizedGenerationResultBase) -> None:
+        if self.roles.colocated:
+            await self._generate(result, record, None)
+            return
         ctx = await self.roles.prefill(result)
         if ctx.error is not None:
             raise RequestError(ctx.error)
@@ -91,6 +97,10 @@ class RequestOwner:
             return
         params = copy.copy(ctx.disaggregated_params)
         params.request_type = "generation_only"
+        await self._generate(result, record, params)
+
+    async def _generate(self, result: RequestOutput, record, params: DisaggregatedParams | None) -> None:
+        """Decodes on a decode worker: from the prefill side's KV (params), or the whole request (None)."""
         if self.lanes:
             await self._decode_via_postproc(result, params)
             return

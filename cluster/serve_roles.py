@@ -14,6 +14,7 @@ from llmapi.result import RequestOutput
 
 class ServeRoles:
     def __init__(self, prefill, decode):
+        self.colocated = prefill is None
         self._prefill = prefill
         self._decode = decode.options(stream=True)
         self._decode_call = decode
@@ -29,7 +30,8 @@ class ServeRoles:
         finally:
             self._inflight.pop(result.request_id, None)
 
-    async def decode(self, result: RequestOutput, params: DisaggregatedParams) -> AsyncIterator[EngineResponse]:
+    async def decode(self, result: RequestOutput, params: DisaggregatedParams | None) -> AsyncIterator[EngineResponse]:
+        self._loop = asyncio.get_running_loop()
         stream = self._decode.generate.remote(result.request_id, result.prompt_token_ids, result.sampling_params,
                                               params)
         self._inflight[result.request_id] = stream
@@ -39,8 +41,9 @@ class ServeRoles:
         finally:
             self._inflight.pop(result.request_id, None)
 
-    async def decode_via_postproc(self, result: RequestOutput, params: DisaggregatedParams,
+    async def decode_via_postproc(self, result: RequestOutput, params: DisaggregatedParams | None,
                                   lanes: tuple[int, ...]) -> None:
+        self._loop = asyncio.get_running_loop()
         route = PostprocRoute(lanes, result.streaming)
         response = self._decode_call.generate_via_postproc.remote(
             result.request_id, result.prompt_token_ids, result.sampling_params, params, route)

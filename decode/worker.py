@@ -43,15 +43,16 @@ class DecodeWorker(EngineWorker):
         return ray.get_runtime_context().get_node_id()
 
     async def generate(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                       disaggregated_params: DisaggregatedParams) -> AsyncIterator[EngineResponse]:
-        """Streams the request's responses; the first tokens are not repeated (the owner has them from prefill)."""
+                       disaggregated_params: DisaggregatedParams | None) -> AsyncIterator[EngineResponse]:
+        """Streams the request's responses; the first tokens are not repeated (the owner has them from prefill).
+        Without disaggregated_params the whole request runs here (colocated)."""
         _check_generation_only(disaggregated_params)
         async for rsp in self.stream(request_id, prompt_token_ids, params, disaggregated_params,
                                      echo_first_tokens=False):
             yield rsp
 
     async def generate_via_postproc(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                                    disaggregated_params: DisaggregatedParams, route: PostprocRoute) -> None:
+                                    disaggregated_params: DisaggregatedParams | None, route: PostprocRoute) -> None:
         """Decodes; each step's tokens go to postproc worker `request_id % N`, which pushes text to the owner's
         lane. Returns when the engine is done with the request; cancelling the call aborts it."""
         _check_generation_only(disaggregated_params)
@@ -92,6 +93,6 @@ class DecodeWorker(EngineWorker):
                                                         f"is unreachable: {exc}"))
 
 
-def _check_generation_only(params: DisaggregatedParams) -> None:
-    if params.request_type != "generation_only":
+def _check_generation_only(params: DisaggregatedParams | None) -> None:
+    if params is not None and params.request_type != "generation_only":
         raise ValueError(f"a decode worker takes generation_only requests, got {params.request_type!r}")

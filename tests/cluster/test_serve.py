@@ -169,3 +169,15 @@ def test_a_request_that_ends_at_prefill_frees_the_prefill_blocks_at_once(client)
             break
         assert time.monotonic() < deadline, f"prefill still holds {total - free} blocks"
         time.sleep(0.05)
+
+
+def test_colocated_mode_serves_the_same_tokens(server, client, tiny_llama):
+    config = _config(tiny_llama, server[1]).model_copy(update={"mode": "colocated"})
+    serve.run(build_from_config(config), name="raypd-colocated", route_prefix="/colocated")
+    try:
+        colocated = openai.OpenAI(base_url=f"{server[0]}/colocated/v1", api_key=KEY, timeout=60, max_retries=0)
+        kwargs = dict(model="tiny", prompt="side by side", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+        assert colocated.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+        assert "prefill" not in serve.status().applications["raypd-colocated"].deployments
+    finally:
+        serve.delete("raypd-colocated")
