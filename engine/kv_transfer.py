@@ -398,26 +398,23 @@ class NixlTransport(KVTransport):
         return handle
 
     def _post(self, handle: ReadHandle) -> None:
+        self._settle(handle, self._status(handle, self._agent.postXferReq, "post a read"))
+
+    def _status(self, handle: ReadHandle, call, doing: str):
+        """call(xfer) -> NIXL status; a NIXL error fails the handle (released) and is raised as a TransferError."""
         try:
-            status = self._agent.postXferReq(handle.xfer)
+            return call(handle.xfer)
         except _NIXL_ERRORS as e:
-            handle.error = self._failed(handle.peer_name, e, "post a read")
+            handle.error = self._failed(handle.peer_name, e, doing)
             self.cancel(handle)
             raise handle.error from e
-        self._settle(handle, status)
 
     def poll(self, handle: ReadHandle) -> bool:
         if handle.done:
             return True
         if handle.released:
             raise handle.error or TransferError(f"read from peer {handle.peer_name!r}: handle already released")
-        try:
-            status = self._agent.getXferStatus(handle.xfer)
-        except _NIXL_ERRORS as e:
-            handle.error = self._failed(handle.peer_name, e, "complete a read")
-            self.cancel(handle)
-            raise handle.error from e
-        self._settle(handle, status)
+        self._settle(handle, self._status(handle, self._agent.getXferStatus, "complete a read"))
         return handle.done
 
     def _settle(self, handle: ReadHandle, status) -> None:
