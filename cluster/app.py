@@ -29,6 +29,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """args: {"config": PATH} (a deployment YAML) or the YAML's keys themselves. A bad config fails here, before
     anything starts, naming the field."""
     config = load_config(args["config"]) if set(args) == {"config"} else parse_config(dict(args), "app args")
+    if not ray.is_initialized():
+        # `serve run` builds the app before it connects to Ray, but building needs Ray (the cluster key, the postproc
+        # workers); it then reuses this connection. RAY_ADDRESS picks a cluster, else Ray starts here.
+        ray.init(namespace="serve")
     return build_from_config(config)
 
 
