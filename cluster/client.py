@@ -12,18 +12,17 @@ import threading
 from typing import Any, AsyncIterator, Sequence
 
 from ray.exceptions import RayActorError
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from cluster.owner import RequestOwner
 from cluster.router import Router
+from llmapi.batch import Prompt, as_prompt_list, wait_all
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
 from llmapi.result import RequestOutput
 from llmapi.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-Prompt = str | list[int]
 
 
 class ActorRoles:
@@ -91,10 +90,9 @@ class DisaggregatedClient:
 
     def generate(self, inputs: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
                  use_tqdm: bool = True, timeout: float | None = None) -> RequestOutput | list[RequestOutput]:
-        single = isinstance(inputs, str) or (bool(inputs) and isinstance(inputs[0], int))
-        results = [self.generate_async(p, sampling_params) for p in ([inputs] if single else inputs)]
-        for r in tqdm(results, disable=not use_tqdm or len(results) < 2, desc="raypd"):
-            r.result(timeout)
+        prompts, single = as_prompt_list(inputs)
+        results = [self.generate_async(p, sampling_params) for p in prompts]
+        wait_all(results, use_tqdm, timeout)
         return results[0] if single else results
 
     def generate_async(self, inputs: Prompt, sampling_params: SamplingParams | None = None,

@@ -6,11 +6,11 @@ import copy
 import itertools
 from typing import Sequence
 
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.loop import EngineLoop
+from llmapi.batch import Prompt, as_prompt_list, wait_all
 from llmapi.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
@@ -18,7 +18,6 @@ from llmapi.result import RequestOutput
 from llmapi.sampling_params import SamplingParams
 from postproc.pool import PostprocPool
 
-Prompt = str | list[int]
 
 
 class LLM:
@@ -53,13 +52,11 @@ class LLM:
         disaggregated_params: DisaggregatedParams | Sequence[DisaggregatedParams] | None = None,
     ) -> RequestOutput | list[RequestOutput]:
         """Generates for one prompt (returns one RequestOutput) or many (returns a list, in order)."""
-        single = isinstance(inputs, str) or (bool(inputs) and isinstance(inputs[0], int))
-        prompts = [inputs] if single else list(inputs)
+        prompts, single = as_prompt_list(inputs)
         params = _per_prompt(sampling_params, len(prompts), SamplingParams)
         disagg = _per_prompt(disaggregated_params, len(prompts), DisaggregatedParams)
         results = [self.generate_async(p, sp, disaggregated_params=dp) for p, sp, dp in zip(prompts, params, disagg)]
-        for r in tqdm(results, disable=not use_tqdm or len(results) < 2, desc="raypd"):
-            r.result(timeout)
+        wait_all(results, use_tqdm, timeout)
         return results[0] if single else results
 
     def generate_async(self, inputs: Prompt, sampling_params: SamplingParams | None = None,
