@@ -70,11 +70,10 @@ class EdgeLimits:
     @classmethod
     def of(cls, config: RaypdConfig) -> "EdgeLimits":
         spec = load_spec(config.model)
-        e = config.engine
-        dtype = spec.checkpoint_dtype if config.dtype == "auto" else config.dtype
-        layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, e.block_size, dtype)
-        blocks = e.num_blocks or int(e.kv_cache_bytes or (512 << 20)) // layout.block_bytes
-        return cls(spec.vocab_size, spec.max_position_embeddings, blocks, e.block_size)
+        engine = config.engine_config()
+        dtype = engine.dtype or spec.checkpoint_dtype
+        layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.block_size, dtype)
+        return cls(spec.vocab_size, spec.max_position_embeddings, engine.pool_blocks(layout), engine.block_size)
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

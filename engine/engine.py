@@ -41,6 +41,10 @@ class EngineConfig:
     kv_transfer_timeout_s: float = 10.0  # a decode engine's budget to read one request's prompt KV
     cluster_key: bytes | None = None  # signs KV handles; engines that exchange handles across processes share it
 
+    def pool_blocks(self, layout: KVLayout) -> int:
+        """How many KV blocks of this layout the pool holds: num_blocks, or as many as kv_cache_bytes holds."""
+        return self.num_blocks or max(1, self.kv_cache_bytes // layout.block_bytes)
+
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "kv_lease_s",
                      "kv_transfer_timeout_s"):
@@ -66,7 +70,7 @@ class LLMEngine:
         self.model = CausalLM.from_pretrained(model_dir, dtype=config.dtype, device=config.device)
         self.spec = self.model.spec
         layout = self.model.kv_layout(config.block_size)
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // layout.block_bytes)
+        num_blocks = config.pool_blocks(layout)
         self.kv_cache = KVCache(layout, num_blocks, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
