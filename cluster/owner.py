@@ -27,9 +27,10 @@ class Roles(Protocol):
     colocated: bool
 
     async def prefill(self, result: RequestOutput) -> EngineResponse:
-        """The context-only response (first tokens, KV handle) of a prefill worker it picked."""
+        """The context-only response of a prefill worker it picked: first tokens, and a Handoff unless every
+        candidate ended there."""
 
-    def decode(self, result: RequestOutput, params: DisaggregatedParams) -> AsyncIterator[EngineResponse]:
+    def decode(self, result: RequestOutput, params: DisaggregatedParams | None) -> AsyncIterator[EngineResponse]:
         """The responses of a decode worker it picked; the first tokens are not repeated."""
 
     async def decode_via_postproc(self, result: RequestOutput, params: DisaggregatedParams,
@@ -91,13 +92,13 @@ class RequestOwner:
         ctx = await self.roles.prefill(result)
         if ctx.error is not None:
             raise RequestError(ctx.error)
-        if self._deliver(result, record, _first_tokens(ctx, result.sampling_params, result.aborted())):
-            if ctx.disaggregated_params is not None:
-                self.roles.release(ctx.disaggregated_params)  # nobody will read the prompt's KV: free it now
+        if self._deliver(result, record, ctx) or ctx.handoff is None:
+            return  # every candidate ended with its first token; the prefill engine has freed the blocks
+        if result.aborted():  # the client left while its prompt was prefilled: nobody will read the KV
+            self.roles.release(ctx.handoff.generation_params())
+            self._deliver(result, record, _cancelled(result))
             return
-        params = copy.copy(ctx.disaggregated_params)
-        params.request_type = "generation_only"
-        await self._generate(result, record, params)
+        await self._generate(result, record, ctx.handoff.generation_params())
 
     async def _generate(self, result: RequestOutput, record, params: DisaggregatedParams | None) -> None:
         """Decodes on a decode worker: from the prefill side's KV (params), or the whole request (None)."""
@@ -150,18 +151,8 @@ class RequestOwner:
         return record.finished
 
 
-def _first_tokens(ctx: EngineResponse, params: SamplingParams, aborted: bool) -> EngineResponse:
-    """The prefill worker's response as the owner streams it: a candidate is finished only if its first token ended
-    it (EOS, a stop token, max_tokens 1, cancelled) or the request was aborted meanwhile; otherwise decoding goes on."""
-    def final(d: TokenDelta) -> bool:
-        return d.finish_reason not in (None, "length") or params.max_tokens == 1
-
-    def owned(d: TokenDelta) -> TokenDelta:
-        if final(d):
-            return d
-        reason = "cancelled" if aborted else None
-        return TokenDelta(d.index, d.token_ids, d.cumulative_logprob, d.logprobs, reason)
-
-    deltas = tuple(owned(d) for d in ctx.deltas)
-    return EngineResponse(ctx.request_id, deltas, all(d.finish_reason for d in deltas), ctx.error, ctx.queue_time,
-                          ctx.prompt_logprobs, ctx.context_logits, ctx.disaggregated_params)
+def _cancelled(result: RequestOutput) -> EngineResponse:
+    """The request's end when the owner stops it between roles: every unfinished candidate is cancelled."""
+    deltas = tuple(TokenDelta(o.index, (), o.cumulative_logprob or 0.0, finish_reason="cancelled")
+                   for o in result.outputs if o.finish_reason is None)
+    return EngineResponse(result.request_id, deltas, finished=True)

@@ -13,7 +13,7 @@ import pathlib
 import time
 
 from engine.bench_transfer import raw_read_bandwidth
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import EngineConfig, LLMEngine, nixl_connector
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.sampling_params import SamplingParams
 
@@ -26,13 +26,19 @@ KEY = b"raypd-bench-disagg-cluster-key!!"  # both processes verify each other's 
 
 
 def _config(threads: int) -> EngineConfig:
+    # No prefix caching: each repeat must prefill and move the whole prompt again.
     return EngineConfig(block_size=16, max_num_batched_tokens=8192, num_threads=threads, kv_cache_bytes=1 << 30,
-                        cluster_key=KEY)
+                        cluster_key=KEY, enable_prefix_caching=False)
+
+
+def _engine(model_dir: str, threads: int) -> LLMEngine:
+    config = _config(threads)
+    return LLMEngine(model_dir, config, nixl_connector(config))
 
 
 def _prefill_server(conn, model_dir: str, threads: int) -> None:
     """The prefill engine: prefills what it is sent, then keeps stepping so release notifications free blocks."""
-    engine = LLMEngine(model_dir, _config(threads))
+    engine = _engine(model_dir, threads)
     while True:
         if conn.poll(0.01):
             msg = conn.recv()
@@ -48,23 +54,22 @@ def _prefill(engine: LLMEngine, request_id: int, ids: list[int]):
     engine.add_request(request_id, ids, PARAMS, DisaggregatedParams(request_type="context_only"))
     while True:
         for rsp in engine.step():
-            if rsp.finished:
-                return rsp.disaggregated_params, time.perf_counter() - start
+            if rsp.final:
+                return rsp.handoff.generation_params(), time.perf_counter() - start
 
 
 def _import(engine: LLMEngine, request_id: int, ids: list[int], dp: DisaggregatedParams) -> float:
     """Seconds from the first READ until the request's KV is in place and validated (the engine's own clock)."""
-    dp.request_type = "generation_only"
-    before = engine.kv_bytes_read
+    before = engine.connector.stats().kv_bytes_read
     engine.add_request(request_id, ids, PARAMS, dp, echo_first_tokens=False)
     deadline = time.monotonic() + TIMEOUT_S
-    while engine.kv_bytes_read == before:
+    while engine.connector.stats().kv_bytes_read == before:
         if time.monotonic() > deadline:
             raise TimeoutError(f"import of request {request_id} did not finish")
         engine.step()
     engine.abort_request(request_id)
     engine.step()
-    return engine.last_import_s
+    return engine.connector.stats().last_import_s
 
 
 def _measure(conn, decode: LLMEngine, n: int, repeats: int) -> tuple[float, float]:
@@ -86,7 +91,7 @@ def run(model_dir: str, lengths=LENGTHS, threads: int = 2, repeats: int = 3) -> 
     conn, child = ctx.Pipe()
     server = ctx.Process(target=_prefill_server, args=(child, model_dir, threads), daemon=True)
     server.start()
-    decode = LLMEngine(model_dir, _config(threads))
+    decode = _engine(model_dir, threads)
     block_bytes = decode.kv_cache.layout.block_bytes
     rows = []
     try:

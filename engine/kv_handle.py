@@ -2,6 +2,10 @@
 
 It is signed by the engine that made it (HMAC-SHA256 with the cluster key) and serialized as JSON, never pickle, so a
 forged or altered handle is refused before anything in it is used.
+
+The release message a reader sends when it has the blocks (or will never read them) names the lease by its random
+id and is signed under the same key: a forged or foreign one fails the check, and a replayed one names a lease that
+no longer exists. Either way it frees nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from engine.kv_cache import KVLayout
 # Engines in one process that were given no cluster key share this one; across processes a key must be configured.
 PROCESS_KEY = os.urandom(32)
 _CONTEXT = b"raypd.kv_handle.v1"
+_RELEASE_CONTEXT = b"raypd.kv_release.v1"
+RELEASE_PREFIX = b"raypd.release.v2:"
 
 
 class InvalidHandle(ValueError):
@@ -36,6 +42,7 @@ class KVHandle:
     layout: KVLayout
     fingerprint: str  # model fingerprint of the prefill engine
     lease_deadline: float  # wall clock (time.time()) of the prefill side; checked, but never trusted alone
+    lease_id: str = ""  # random, per lease: what a release message names
     first_logprobs: tuple[float, ...] = ()  # per candidate: the first token's logprob
     first_top_logprobs: tuple[tuple[tuple[int, float, int], ...], ...] = ()  # per candidate: (token, logprob, rank)
 
@@ -63,9 +70,27 @@ class KVHandle:
         return cls(**body)
 
 
-def _mac(key: bytes | None, payload: bytes) -> bytes:
-    derived = hmac.new(key or PROCESS_KEY, _CONTEXT, hashlib.sha256).digest()
+def _mac(key: bytes | None, payload: bytes, context: bytes = _CONTEXT) -> bytes:
+    derived = hmac.new(key or PROCESS_KEY, context, hashlib.sha256).digest()
     return hmac.new(derived, payload, hashlib.sha256).digest()
+
+
+def release_message(lease_id: str, key: bytes | None) -> bytes:
+    """What the reader of a lease's blocks sends its owner to free them."""
+    body = lease_id.encode()
+    return RELEASE_PREFIX + body + b":" + _mac(key, body, _RELEASE_CONTEXT).hex().encode()
+
+
+def open_release(message: bytes, key: bytes | None) -> str | None:
+    """The lease a release message names, or None if it is not a release or its signature fails."""
+    if not message.startswith(RELEASE_PREFIX):
+        return None
+    body, _, mac = message[len(RELEASE_PREFIX):].rpartition(b":")
+    try:
+        ok = hmac.compare_digest(bytes.fromhex(mac.decode()), _mac(key, body, _RELEASE_CONTEXT))
+    except ValueError:
+        return None
+    return body.decode() if ok else None
 
 
 def compatibility_problems(mine: KVLayout, my_fingerprint: str, theirs: KVLayout, their_fingerprint: str) -> list[str]:

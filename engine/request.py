@@ -8,11 +8,32 @@ from enum import Enum, auto
 
 from llmapi.sampling_params import SamplingParams
 
+REQUEST_KINDS = ("context_and_generation", "context_only", "generation_only")
+
 
 class SeqStatus(Enum):
     WAITING = auto()
+    WAITING_FOR_KV = auto()  # a remote read of the prompt's KV is in flight; the sequence holds its blocks
     RUNNING = auto()
     FINISHED = auto()
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """A candidate's first token as the prefill side sampled it (a generation-only request starts from these)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float, int], ...] = ()  # (token, logprob, rank), when logprobs were asked for
+
+
+@dataclass(frozen=True)
+class MultimodalItem:
+    """One image's place in the prompt: its content hash and the token positions its embeddings fill."""
+
+    content_hash: tuple[int, ...]  # 8 int32
+    offset: int
+    length: int
 
 
 @dataclass(eq=False)
@@ -33,6 +54,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
+    num_registered_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +73,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    @property
+    def num_slots(self) -> int:
+        """Seats in the running batch this sequence stands for: a request not yet forked brings all its candidates."""
+        return 1 if self.request.forked else self.request.sampling_params.num_candidates
+
 
 @dataclass(eq=False)
 class EngineRequest:
@@ -58,18 +86,27 @@ class EngineRequest:
     request_id: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    kind: str = "context_and_generation"  # one of REQUEST_KINDS
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # True once every candidate has its own sequence
-    context_only: bool = False  # prefill role: stop after the first token, keep the blocks for the decode side
     prompt_logits: dict[int, object] = field(default_factory=dict)  # position -> (vocab,) fp32 logits, when asked for
     reported_queue_time: bool = False
-    followers: list["Sequence"] = field(default_factory=list)  # candidates waiting for the first one's KV import
+    cache_salt: str | None = None  # isolates this tenant's prefix-cache entries from everyone else's
+    mm_items: tuple[MultimodalItem, ...] = ()
+    kv_source: object = None  # generation_only: the verified KV handle its prompt's KV is read from
+    first_tokens: tuple[FirstToken, ...] = ()  # generation_only: each candidate's first token, from the prefill side
+    echo_first_tokens: bool = True  # generation_only: emit the first tokens again (an owner that streamed them: no)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def context_only(self) -> bool:
+        return self.kind == "context_only"
 
     @property
     def wants_prompt_logits(self) -> bool:

@@ -8,7 +8,8 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from engine.engine import EngineCard, EngineConfig, LLMEngine
+from engine.engine import EngineConfig, LLMEngine, nixl_connector
+from engine.kv_connector import EngineCard
 from engine.loop import EngineLoop
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
@@ -18,31 +19,29 @@ _ACCEPT_TIMEOUT_S = 60.0
 
 
 class EngineWorker:
+    """An engine of a role that exchanges KV with other engines (NIXL connector)."""
+
     def __init__(self, model_dir: str, config: EngineConfig):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self._streams: dict[int, asyncio.Queue] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self.loop = EngineLoop(LLMEngine(model_dir, config), self._deliver, self._fail_all)
+        self.loop = EngineLoop(LLMEngine(model_dir, config, nixl_connector(config)), self._deliver, self._fail_all)
 
     def card(self) -> EngineCard:
         return self.loop.call(lambda e: e.card())
 
     def meet(self, card: EngineCard) -> None:
         """Checks compatibility with a peer and connects to it; raises ValueError naming any mismatch."""
-        self.loop.call(lambda e: e.meet(card.name, card.transport_info, card.layout, card.fingerprint))
+        self.loop.call(lambda e: e.meet(card))
 
     def kv_blocks(self) -> tuple[int, int]:
         """(free, total) KV blocks of the engine's pool."""
         return self.loop.call(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
 
     def stats(self) -> dict[str, float]:
-        """KV pool occupancy, leases held and bytes read, for metrics."""
-        def read(e) -> dict[str, float]:
-            bm = e.block_manager
-            return {"kv_blocks_in_use": bm.num_blocks - bm.num_free_blocks, "kv_blocks_total": bm.num_blocks,
-                    "kv_leases": len(e.leases), "kv_bytes_read": e.kv_bytes_read}
-        return self.loop.call(read)
+        """KV pool occupancy, prefix-cache counters, leases and bytes read, for metrics."""
+        return self.loop.call(lambda e: e.stats())
 
     def record_routing_stats(self) -> dict[str, int]:
         """Serve asks each replica for this periodically; its request router sends work to the least queued."""
@@ -85,7 +84,7 @@ class EngineWorker:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                finished = item.final
                 yield item
         finally:
             self._streams.pop(request_id, None)

@@ -52,7 +52,7 @@ class DetokenizedGenerationResultBase:
         self.finished = rsp.finished or all(self._done) or rsp.error is not None
         result = ResultDelta(
             rsp.request_id, tuple(deltas), self.finished, rsp.error, rsp.queue_time, rsp.prompt_logprobs,
-            rsp.context_logits, rsp.disaggregated_params,
+            rsp.context_logits, rsp.handoff.context_params() if rsp.handoff else None, rsp.num_cached_tokens,
         )
         return result, to_abort
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from transformers import AutoTokenizer
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import EngineConfig, LLMEngine, nixl_connector
 from engine.loop import EngineLoop
 from llmapi.batch import Prompt, as_prompt_list, wait_all
 from llmapi.detokenized import DetokenizedGenerationResultBase
@@ -24,14 +24,19 @@ class LLM:
     """`LLM(model=DIR)`: generate() for batches, generate_async() for one request (streaming or not)."""
 
     def __init__(self, model: str, engine_config: EngineConfig | None = None, num_postprocess_workers: int = 0,
-                 post_processor_hook: str | None = None, **engine_kwargs):
+                 post_processor_hook: str | None = None, kv_transfer: str | None = None, **engine_kwargs):
         """num_postprocess_workers: 0 detokenizes on the engine thread; N >= 1 in N worker processes, which also
-        run post_processor_hook ("module.Class", a postproc.hooks.PostProcessorHook) on every chunk."""
+        run post_processor_hook ("module.Class", a postproc.hooks.PostProcessorHook) on every chunk.
+        kv_transfer: None serves whole requests only (nixl is never loaded); "nixl" also serves context_only and
+        generation_only requests, exchanging KV with other engines over NIXL."""
         if post_processor_hook and not num_postprocess_workers:
             raise ValueError("post_processor_hook runs in postproc workers: set num_postprocess_workers >= 1")
+        if kv_transfer not in (None, "nixl"):
+            raise ValueError(f"kv_transfer must be None or 'nixl', got {kv_transfer!r}")
         self.model_dir = model
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        engine = LLMEngine(model, engine_config or EngineConfig(**engine_kwargs))
+        config = engine_config or EngineConfig(**engine_kwargs)
+        engine = LLMEngine(model, config, nixl_connector(config) if kv_transfer else None)
         self.engine = engine
         self._ids = itertools.count()
         self._records: dict[int, tuple[DetokenizedGenerationResultBase, RequestOutput]] = {}  # engine thread only
@@ -134,7 +139,7 @@ class LLM:
             self.engine.stop_candidate(rsp.request_id, index)
         if delta is not None:
             result.put(delta)
-        if record.finished:
+        if record.finished or rsp.final:
             del self._records[rsp.request_id]
 
     def _fail_all(self, exc: BaseException) -> None:

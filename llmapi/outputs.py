@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from llmapi.disaggregated_params import DisaggregatedParams
+
 FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
 
 
@@ -88,8 +90,31 @@ class TokenDelta:
 
 
 @dataclass(frozen=True)
+class Handoff:
+    """How a context-only request ends when decoding goes on elsewhere: each candidate's first token and the signed
+    handle (opaque_state) of the prompt's KV, held under a lease until a decode engine has read it."""
+
+    ctx_request_id: int
+    first_gen_tokens: tuple[int, ...]
+    opaque_state: bytes
+
+    def context_params(self) -> DisaggregatedParams:
+        """What the context-only caller gets (the reference API's result.disaggregated_params)."""
+        return DisaggregatedParams("context_only", list(self.first_gen_tokens), self.ctx_request_id, self.opaque_state)
+
+    def generation_params(self) -> DisaggregatedParams:
+        """What a decode engine takes to continue the request."""
+        return DisaggregatedParams("generation_only", list(self.first_gen_tokens), self.ctx_request_id,
+                                   self.opaque_state)
+
+
+@dataclass(frozen=True)
 class EngineResponse:
-    """What an engine emits for one request in one step (the `rsp` a post-processor receives)."""
+    """What an engine emits for one request in one step (the `rsp` a post-processor receives).
+
+    finished: every candidate has finished. handoff: this engine is done with the request but it goes on (a
+    context-only request's hand-off). Either way nothing more comes for the request from this engine (`final`).
+    """
 
     request_id: int
     deltas: tuple[TokenDelta, ...]
@@ -98,7 +123,12 @@ class EngineResponse:
     queue_time: float | None = None  # seconds from arrival to first schedule, measured on the engine's clock
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     context_logits: Any = None  # torch.Tensor (num_prompt_tokens, vocab), first response only
-    disaggregated_params: Any = None  # DisaggregatedParams for context_only results
+    handoff: Handoff | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache, first response only
+
+    @property
+    def final(self) -> bool:
+        return self.finished or self.handoff is not None or self.error is not None
 
 
 @dataclass(frozen=True)
@@ -125,4 +155,5 @@ class ResultDelta:
     queue_time: float | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     context_logits: Any = None
-    disaggregated_params: Any = None
+    disaggregated_params: Any = None  # a context-only result's hand-off, as DisaggregatedParams
+    num_cached_tokens: int | None = None

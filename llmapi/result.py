@@ -45,6 +45,9 @@ class GenerationResult:
         self.streaming = streaming
         self._abort_fn = abort_fn
         self._disaggregated_params = disaggregated_params
+        # A context-only result is done once its hand-off arrives; a whole request goes on after it.
+        self._context_only = disaggregated_params is not None and disaggregated_params.request_type == "context_only"
+        self._num_cached_tokens: int | None = None
         self._queue: queue.Queue[ResultDelta | BaseException] = queue.Queue()
         self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # an async consumer waiting
         self._candidates = [CompletionOutput(i) for i in range(sampling_params.num_candidates)]
@@ -102,6 +105,11 @@ class GenerationResult:
     @property
     def disaggregated_params(self) -> DisaggregatedParams | None:
         return self._disaggregated_params
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens whose KV came from the prefix cache instead of being computed (vLLM's name)."""
+        return self._num_cached_tokens
 
     @property
     def metrics_dict(self) -> dict[str, float]:
@@ -218,11 +226,13 @@ class GenerationResult:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.disaggregated_params is not None:
             self._disaggregated_params = delta.disaggregated_params
+        if delta.num_cached_tokens is not None:
+            self._num_cached_tokens = delta.num_cached_tokens
         for d in delta.deltas:
             self._apply_candidate(d, now)
         if delta.error is not None:
             self._fail(delta.error)
-        elif delta.finished:
+        elif delta.finished or (self._context_only and delta.disaggregated_params is not None):
             self._done = True
 
     def _apply_candidate(self, d: CompletionDelta, now: float) -> None:

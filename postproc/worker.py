@@ -208,10 +208,12 @@ class PostprocWorker:
                 return self._fail(req, rsp.request_id, f"post_processor_hook {self._hook_path!r}", exc)
         if res is None and not to_abort:
             return None
-        return self._output(req, rsp.request_id, res, to_abort, ended)
+        return self._output(req, rsp.request_id, res, to_abort, ended, rsp.final)
 
-    def _output(self, req: _Request, request_id: int, res: ResultDelta | None, to_abort, ended: bool):
-        final = res is not None and res.finished
+    def _output(self, req: _Request, request_id: int, res: ResultDelta | None, to_abort, ended: bool,
+                engine_done: bool = False):
+        # The engine may be done without the request being so: a context-only request's hand-off.
+        final = engine_done or (res is not None and res.finished)
         if final:
             del self._requests[request_id]
         finish = _finish_reason(res) if final or ended or to_abort else None  # most chunks finish nothing

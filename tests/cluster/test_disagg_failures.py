@@ -30,8 +30,7 @@ def _kill_prefill_then_decode(workers, model_dir: str) -> None:
     ids = ref.prompt_token_ids
     ctx = ray.get(prefill.prefill.remote(1, ids, params), timeout=60)
     ray.kill(prefill)  # its NIXL agent dies with it, holding the only copy of the prompt's KV
-    dp = ctx.disaggregated_params
-    dp.request_type = "generation_only"
+    dp = ctx.handoff.generation_params()
     start = time.monotonic()
     responses = ray.get(list(decode.generate.remote(1, ids, params, dp)), timeout=60)
     assert time.monotonic() - start < CONFIG.kv_transfer_timeout_s + 10

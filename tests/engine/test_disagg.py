@@ -14,7 +14,7 @@ from tests.pools import wait_pools_full
 
 @pytest.fixture(scope="module")
 def pair(tiny_llama):
-    with LLM(tiny_llama, block_size=4) as ctx, LLM(tiny_llama, block_size=4) as gen:
+    with LLM(tiny_llama, block_size=4, kv_transfer="nixl") as ctx, LLM(tiny_llama, block_size=4, kv_transfer="nixl") as gen:
         yield ctx, gen
 
 
@@ -77,7 +77,7 @@ def test_forged_or_foreign_handle_is_refused(pair):
 
 def test_expired_lease_is_never_read_and_the_request_re_prefills(tiny_llama):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    with LLM(tiny_llama, block_size=4, kv_lease_s=1.5) as ctx, LLM(tiny_llama, block_size=4) as gen:
+    with LLM(tiny_llama, block_size=4, kv_lease_s=1.5, kv_transfer="nixl") as ctx, LLM(tiny_llama, block_size=4, kv_transfer="nixl") as gen:
         ref = ctx.generate("late decode", params)
         c = ctx.generate("late decode", params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
         time.sleep(2.0)  # the lease ends; the prefill side frees (and may reuse) the blocks
@@ -92,7 +92,7 @@ def test_expired_lease_is_never_read_and_the_request_re_prefills(tiny_llama):
 def test_incompatible_engines_are_refused_at_handshake(model_factory, tiny_llama):
     other = model_factory("qwen2")
     params = SamplingParams(max_tokens=4, temperature=0)
-    with LLM(tiny_llama, block_size=4) as ctx, LLM(other, block_size=8) as gen:
+    with LLM(tiny_llama, block_size=4, kv_transfer="nixl") as ctx, LLM(other, block_size=8, kv_transfer="nixl") as gen:
         c = ctx.generate("hello", params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
         dp = c.disaggregated_params
         dp.request_type = "generation_only"
@@ -106,24 +106,24 @@ def _drive(engine, request_id: int, timeout: float = 30.0):
     got, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         got += [r for r in engine.step() if r.request_id == request_id]
-        if got and got[-1].finished:
+        if got and got[-1].final:
             return got
     raise AssertionError(f"request {request_id} did not finish")
 
 
 def test_blocks_reused_during_the_read_are_detected_and_re_prefilled(tiny_llama, caplog):
-    from engine.engine import EngineConfig, LLMEngine
+    from engine.engine import EngineConfig, LLMEngine, nixl_connector
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompt = list(range(20, 45))
-    ctx, gen = LLMEngine(tiny_llama, EngineConfig(block_size=4)), LLMEngine(tiny_llama, EngineConfig(block_size=4))
+    config = EngineConfig(block_size=4)
+    ctx, gen = (LLMEngine(tiny_llama, config, nixl_connector(config)) for _ in range(2))
     try:
         ctx.add_request(0, prompt, params, DisaggregatedParams(request_type="context_only"))
-        dp = _drive(ctx, 0)[-1].disaggregated_params
+        dp = _drive(ctx, 0)[-1].handoff.generation_params()
         # The prefill side frees and reuses one of the blocks while the handle is still in flight.
         block = KVHandle.open(dp.opaque_state, None).block_ids[2]
         ctx.block_manager.generations[block] += 1
-        dp.request_type = "generation_only"
         gen.add_request(7, prompt, params, dp)
         tokens = [t for r in _drive(gen, 7) for d in r.deltas for t in d.token_ids]
         assert "were reused" in caplog.text
@@ -145,8 +145,8 @@ def _drive_until_free(engine, timeout: float = 5.0) -> None:
 
 def test_dead_prefill_peer_fails_over_to_local_prefill(tiny_llama):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    with LLM(tiny_llama, block_size=4) as gen:
-        ctx = LLM(tiny_llama, block_size=4)
+    with LLM(tiny_llama, block_size=4, kv_transfer="nixl") as gen:
+        ctx = LLM(tiny_llama, block_size=4, kv_transfer="nixl")
         ref = ctx.generate("the peer dies", params)
         c = ctx.generate("the peer dies", params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
         ctx.shutdown()  # its NIXL agent is gone before the decode side reads
