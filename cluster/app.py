@@ -15,10 +15,9 @@ from ray.experimental import internal_kv
 
 from cluster.config import RaypdConfig, Role, load_config, parse_config
 from cluster.ingress import Ingress
+from cluster.replicas import DecodeReplica, PrefillReplica
 from cluster.request_router import router_config
-from decode.worker import DecodeWorker
 from postproc.actor import PostprocActor
-from prefill.worker import PrefillWorker
 
 _KEY_NAME = b"raypd/cluster_key"
 _START_TIMEOUT_S = 120.0
@@ -42,8 +41,8 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     addrs = ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=_START_TIMEOUT_S)
     routing = router_config(config.router.policy.value)
     extra = {"request_router_config": routing} if routing is not None else {}
-    prefill = serve.deployment(PrefillWorker, name="prefill").options(**config.prefill.deployment_options(), **extra)
-    decode = serve.deployment(DecodeWorker, name="decode").options(**config.decode.deployment_options(), **extra)
+    prefill = serve.deployment(PrefillReplica, name="prefill").options(**config.prefill.deployment_options(), **extra)
+    decode = serve.deployment(DecodeReplica, name="decode").options(**config.decode.deployment_options(), **extra)
     ingress = Ingress.options(name="ingress", **config.ingress.deployment_options())
     # The key is read here, where the config was loaded: an api_key_env variable need not exist on replica nodes.
     # Roles' scaling is left out of the ingress's arguments: a redeploy that only rescales then changes no replica's

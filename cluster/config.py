@@ -101,6 +101,9 @@ class EngineSettings(_Strict):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per engine; unset: torch's "
                                                             "default (all cores, which co-located engines fight over).")
     seed: int = Field(0, description="Sampling seed for requests that bring none.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks an earlier prompt computed "
+                                                          "(same tokens from the start): prefill computes only the "
+                                                          "uncached suffix, decode reads only blocks it lacks.")
     kv_lease_s: float = Field(30.0, ge=1, description="How long a prefill engine holds a request's KV blocks for the "
                                                       "decode side before freeing them.")
     kv_transfer_timeout_s: float = Field(10.0, ge=1, description="A decode engine's budget to read one request's "
@@ -222,7 +225,8 @@ class RaypdConfig(_Strict):
             pool["kv_cache_bytes"] = int(e.kv_cache_bytes)
         return EngineConfig(block_size=e.block_size, max_num_batched_tokens=e.max_num_batched_tokens,
                             max_num_seqs=e.max_num_seqs, dtype=None if self.dtype == "auto" else self.dtype,
-                            device=e.device, num_threads=e.num_threads, seed=e.seed, kv_lease_s=e.kv_lease_s,
+                            device=e.device, num_threads=e.num_threads, seed=e.seed,
+                            enable_prefix_caching=e.enable_prefix_caching, kv_lease_s=e.kv_lease_s,
                             kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key, **pool)
 
 

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from cluster.config import RaypdConfig
+from cluster.directory import Directory
 from cluster.metrics import Metrics
 from cluster.openai_format import Formatter, error_body
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -154,6 +155,7 @@ class Ingress:
         self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s, lanes)
         self.metrics = Metrics()
         self._roles = {name: h for name, h in (("prefill", prefill), ("decode", decode)) if h is not None}
+        self._directory = Directory(serve.get_replica_context().replica_id.deployment_id.app_name)
         self._api_key = api_key
 
     # ---- endpoints ----
@@ -175,10 +177,11 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        for role, handle in self._roles.items():
+        # Each role's stats summed over its replicas, from the replica directory: never waits behind generation.
+        for role in self._roles:
             try:
-                self.metrics.set_kv(role, await asyncio.wait_for(handle.stats.remote(), _HEALTH_TIMEOUT_S))
-            except Exception:  # metrics must not fail because one role is down; /health says that
+                self.metrics.set_kv(role, await asyncio.to_thread(self._directory.totals, role))
+            except Exception:  # metrics must not fail because the directory is briefly unreachable
                 pass
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 

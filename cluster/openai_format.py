@@ -87,7 +87,9 @@ class Formatter:
 def usage(results: list[GenerationResult]) -> dict:
     prompt = sum(len(r.prompt_token_ids) for r in results)
     completion = sum(len(o.token_ids) for r in results for o in r.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(r.num_cached_tokens or 0 for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:

@@ -16,6 +16,7 @@ import ray
 
 from cluster.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
+from cluster.directory import Directory
 from llmapi import LLM, SamplingParams
 
 KEY = "sk-raypd-test"
@@ -27,12 +28,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(model: str, port: int, decode_replicas: int = 1):
+def _config(model: str, port: int, decode_replicas: int = 1, prefill_replicas: int = 1):
     role = {"replicas": 1, "num_cpus": 0}
     return parse_config({
         "model": model, "served_model_name": "tiny",
         "engine": {"block_size": 4, "num_threads": 1, "kv_cache_bytes": "64MiB"},
-        "prefill": role, "decode": {**role, "replicas": decode_replicas}, "postproc": {**role, "replicas": 2},
+        "prefill": {**role, "replicas": prefill_replicas}, "decode": {**role, "replicas": decode_replicas},
+        "postproc": {**role, "replicas": 2},
         "ingress": role,
         "http": {"host": "127.0.0.1", "port": port, "api_key": KEY},
     })
@@ -61,6 +63,14 @@ def reference(tiny_llama):
         yield llm
 
 
+def test_decode_met_the_prefill_replica_before_any_request(server):
+    # the first test to run: no request has been sent yet
+    deadline = time.monotonic() + 10
+    while 'raypd_kv{role="decode",what="peers_met"} 1.0' not in httpx.get(f"{server[0]}/metrics", timeout=30).text:
+        assert time.monotonic() < deadline, "the decode replica has not met the prefill replica"
+        time.sleep(0.2)
+
+
 def test_completion_matches_the_embedded_engine(client, reference):
     got = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True})
@@ -68,6 +78,33 @@ def test_completion_matches_the_embedded_engine(client, reference):
     assert got.choices[0].text == ref.outputs[0].text
     assert got.choices[0].finish_reason == "length"
     assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
+    prompt = " ".join(f"word{i}" for i in range(40))  # well over a few 4-token blocks
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 4
+    assert again.choices[0].text == first.choices[0].text
+    deadline = time.monotonic() + 10  # the directory refreshes each role's stats every second
+    while True:
+        metrics = _kv_metrics(httpx.get(f"{server[0]}/metrics", timeout=30).text)
+        if metrics.get(("prefill", "prefix_cache_hit_tokens"), 0) >= again.usage.prompt_tokens_details.cached_tokens:
+            break
+        assert time.monotonic() < deadline, f"prefill's prefix-cache counters did not show the hit: {metrics}"
+        time.sleep(0.2)
+    assert metrics[("prefill", "prefix_cache_query_tokens")] >= 2 * first.usage.prompt_tokens
+
+
+def _kv_metrics(text: str) -> dict[tuple[str, str], float]:
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("raypd_kv{"):
+            labels, value = line[len("raypd_kv{"):].split("} ")
+            parts = dict(p.split("=") for p in labels.split(","))
+            found[(parts["role"].strip('"'), parts["what"].strip('"'))] = float(value)
+    return found
 
 
 def test_streamed_completion_with_usage(client):
@@ -150,12 +187,23 @@ def test_live_rescale_of_decode_under_streaming_load(server, client, tiny_llama)
     for t in threads:
         t.start()
         time.sleep(0.1)
-    serve.run(build_from_config(_config(tiny_llama, server[1], decode_replicas=2)), name="raypd", route_prefix="/")
+    serve.run(build_from_config(_config(tiny_llama, server[1], decode_replicas=2, prefill_replicas=2)),
+              name="raypd", route_prefix="/")
     for t in threads:
         t.join(timeout=120)
     assert not failures and all(done) and len(done) == 6
-    status = serve.status().applications["raypd"].deployments["decode"]
-    assert status.replica_states.get("RUNNING") == 2
+    for role in ("prefill", "decode"):
+        assert serve.status().applications["raypd"].deployments[role].replica_states.get("RUNNING") == 2
+    # every live decode replica has met every live prefill replica, before any transfer needed it
+    directory = Directory("raypd")
+    deadline = time.monotonic() + 15
+    while True:
+        prefill = {e.card.name for e in directory.entries("prefill")}
+        decode = directory.entries("decode")
+        if len(prefill) == 2 and len(decode) == 2 and all(prefill <= set(e.peers) for e in decode):
+            break
+        assert time.monotonic() < deadline, f"decode replicas did not meet the prefill replicas: {prefill} {decode}"
+        time.sleep(0.3)
 
 
 def test_a_request_that_ends_at_prefill_frees_the_prefill_blocks_at_once(client):

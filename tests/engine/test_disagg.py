@@ -157,3 +157,87 @@ def test_dead_prefill_peer_fails_over_to_local_prefill(tiny_llama):
         assert time.monotonic() - start < 15
         assert g.outputs[0].token_ids == ref.outputs[0].token_ids
         wait_pools_full(gen)
+
+
+def _held(engine) -> int:
+    return len(engine.scheduler.held)
+
+
+def test_forged_foreign_or_replayed_releases_free_nothing(tiny_llama):
+    from engine.engine import EngineConfig, LLMEngine, nixl_connector
+    from engine.kv_handle import release_message
+
+    config = EngineConfig(block_size=4)
+    ctx, other = (LLMEngine(tiny_llama, config, nixl_connector(config)) for _ in range(2))
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        leases = []
+        for rid in (0, 1):
+            ctx.add_request(rid, list(range(20 + rid, 45 + rid)), params, DisaggregatedParams("context_only"))
+            leases.append(KVHandle.open(_drive(ctx, rid)[-1].handoff.opaque_state, None).lease_id)
+        other.meet(ctx.card())
+        send = lambda msg: other.connector.transport.send_notification(ctx.card().name, msg)  # noqa: E731
+        send(release_message(leases[0], b"a key of another cluster" * 2))  # foreign (or forged) signature
+        send(b"raypd.release.v2:" + leases[0].encode() + b":00")  # a made-up one
+        send(release_message("0" * 32, None))  # validly signed, but names no lease
+        _wait_for(lambda: ctx.connector.stats().releases_rejected == 2 and ctx.connector.stats().releases_unknown == 1,
+                  ctx)
+        assert _held(ctx) == 2
+        genuine = release_message(leases[0], None)
+        send(genuine)
+        _wait_for(lambda: _held(ctx) == 1, ctx)
+        send(genuine)  # replayed: its lease is gone, and the other lease is not touched
+        _wait_for(lambda: ctx.connector.stats().releases_unknown == 2, ctx)
+        assert _held(ctx) == 1 and 1 in ctx.scheduler.held
+        ctx.abort_request(1)  # an abort after the hand-off ends the lease at once
+        assert _held(ctx) == 0 and ctx.connector.stats().leases == 0
+        assert ctx.block_manager.num_free_blocks == ctx.block_manager.num_blocks
+        ctx.block_manager.check()
+    finally:
+        ctx.close()
+        other.close()
+
+
+def _wait_for(condition, engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        engine.step()
+        time.sleep(0.01)
+
+
+def test_more_imports_than_seats_wait_in_their_queue(tiny_llama):
+    """Six hand-offs to a decode engine with two seats and a small pool: never more than two sequences admitted,
+    imports that cannot get blocks wait (holding nothing), and every request gets the tokens it would colocated."""
+    from engine.engine import EngineConfig, LLMEngine, nixl_connector
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ctx_config, gen_config = EngineConfig(block_size=4), EngineConfig(block_size=4, max_num_seqs=2, num_blocks=20)
+    ctx = LLMEngine(tiny_llama, ctx_config, nixl_connector(ctx_config))
+    gen = LLMEngine(tiny_llama, gen_config, nixl_connector(gen_config))
+    try:
+        prompts = [[10 + (7 * i + 3 * j) % 3000 for j in range(25 + i)] for i in range(6)]
+        expected, handoffs = {}, {}
+        for i, p in enumerate(prompts):
+            ctx.add_request(100 + i, p, params)
+            expected[i] = [t for r in _drive(ctx, 100 + i) for d in r.deltas for t in d.token_ids]
+            ctx.add_request(i, p, params, DisaggregatedParams("context_only"))
+            handoffs[i] = _drive(ctx, i)[-1].handoff
+        for i, p in enumerate(prompts):
+            gen.add_request(i, p, params, handoffs[i].generation_params())
+        got = {i: [] for i in handoffs}
+        deadline = time.monotonic() + 60
+        while gen.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the decode engine did not finish"
+            ctx.step()  # the prefill side frees each lease when its release arrives
+            for rsp in gen.step():
+                got[rsp.request_id] += [t for d in rsp.deltas for t in d.token_ids]
+            sched = gen.scheduler
+            assert len(sched.running) + len(sched.waiting_for_kv) <= 2
+            assert all(not s.block_table for s in sched.waiting)
+        assert got == expected
+        _drive_until_free(ctx)
+        assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
+    finally:
+        ctx.close()
+        gen.close()
