@@ -30,6 +30,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating after EOS.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extension: token ids that end generation.")
+    cache_salt: str | None = Field(None, min_length=1, description="Extension (vLLM's): prefix-cache entries are "
+                                   "shared only between requests with the same salt (tenant isolation).")
     presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
     frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
 
@@ -52,7 +54,7 @@ class _Sampling(BaseModel):
         return SamplingParams(
             max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=max(self.top_k, 0), n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, cache_salt=self.cache_salt,
         )
 
     @property

@@ -94,7 +94,7 @@ class LLMEngine:
     # ---- requests in and out ----
     def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                     disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True,
-                    cache_salt: str | None = None, mm_items: tuple[MultimodalItem, ...] = ()) -> None:
+                    mm_items: tuple[MultimodalItem, ...] = ()) -> None:
         """Queues a request; raises ValueError naming what is wrong with it.
 
         context_only: prefill, sample the first token of each candidate, then end with a Handoff (the prompt's blocks
@@ -105,7 +105,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id} is already in use")
         self._validate(prompt_token_ids, params)
         kind = disaggregated_params.request_type if disaggregated_params else REQUEST_KINDS[0]
-        req = EngineRequest(request_id, list(prompt_token_ids), params, kind, cache_salt=cache_salt,
+        req = EngineRequest(request_id, list(prompt_token_ids), params, kind, cache_salt=params.cache_salt,
                             mm_items=tuple(mm_items), echo_first_tokens=echo_first_tokens)
         if kind == "generation_only":
             self._attach_kv_source(req, disaggregated_params)

@@ -31,6 +31,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     return_context_logits: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # prefix-cache entries are shared only between requests with the same salt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +56,8 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids", "non-negative integers", self.stop_token_ids,
         )
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt), "cache_salt",
+               "None or a non-empty string", self.cache_salt)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name, "None or 0..20", value)

@@ -77,6 +77,15 @@ def test_the_result_reports_its_cached_tokens(tiny_llama):
         wait_pools_full(llm)
 
 
+def test_a_cache_salt_keeps_tenants_apart(tiny_llama):
+    prompt = list(range(200, 230))
+    with LLM(tiny_llama, block_size=4) as llm:
+        llm.generate(prompt, SamplingParams(max_tokens=2, cache_salt="tenant-a"))
+        other = llm.generate(prompt, SamplingParams(max_tokens=2, cache_salt="tenant-b"))
+        same = llm.generate(prompt, SamplingParams(max_tokens=2, cache_salt="tenant-a"))
+        assert other.num_cached_tokens == 0 and same.num_cached_tokens == 28
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_llama):
     with LLM(tiny_llama, block_size=4, kv_transfer="nixl") as ctx, LLM(tiny_llama, block_size=4, kv_transfer="nixl") as gen:
