@@ -20,7 +20,7 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 
-from engine.config import MULTIMODAL_ARCHITECTURES, load_spec, read_safetensors_headers
+from engine.config import LLAVA_TEXT_PREFIX, MULTIMODAL_ARCHITECTURES, load_spec, read_safetensors_headers
 
 # vision_config.model_type -> our tower kind
 VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
@@ -299,7 +299,7 @@ def _load_weights(model: VisionEncoder, model_dir) -> None:
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks vision tensor(s) {', '.join(missing)}")
     spec = model.spec
-    unexpected = sorted(n for n in _vision_names(headers, spec) if n not in targets and not _unread(n, spec))
+    unexpected = sorted(n for n in _vision_names(headers) if n not in targets and not _unread(n, spec))
     if unexpected:
         raise ValueError(f"{model_dir}: unexpected vision tensor(s) in checkpoint: {', '.join(unexpected)}")
     by_file = defaultdict(list)
@@ -321,13 +321,16 @@ def _checkpoint_name(ours: str, spec: VisionSpec) -> str:
     return ours  # multi_modal_projector.* as on disk
 
 
-def _vision_names(headers: dict, spec: VisionSpec) -> list[str]:
-    return [n for n in headers if n.startswith((spec.weight_prefix, "multi_modal_projector."))]
+def _vision_names(headers: dict) -> list[str]:
+    """Every tensor not the text model's (engine/loader.py checks those): tower, projector, or nobody's."""
+    return [n for n in headers if not n.startswith(LLAVA_TEXT_PREFIX)]
 
 
 def _unread(name: str, spec: VisionSpec) -> bool:
     """Tensors of the tower the features never read: layers past the last selected one, the post-norm, SigLIP's
     pooling head."""
+    if not name.startswith(spec.weight_prefix):
+        return False
     rest = name.removeprefix(spec.weight_prefix)
     if rest.startswith(("post_layernorm.", "head.")):
         return True
