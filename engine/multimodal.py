@@ -42,6 +42,10 @@ class ImageLimits:
     def __post_init__(self):
         if self.max_bytes < 1 or self.max_pixels < 1 or not self.formats:
             raise ValueError(f"ImageLimits needs positive limits and at least one format; got {self}")
+        Image.init()  # registers every PIL plugin, so OPEN lists all the formats this PIL can decode
+        unknown = [f for f in self.formats if f not in Image.OPEN]
+        if unknown:
+            raise ValueError(f"ImageLimits: PIL cannot open format(s) {', '.join(unknown)}")
 
 
 @dataclass(frozen=True)

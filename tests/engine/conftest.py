@@ -1,4 +1,4 @@
-"""Fixtures for the multimodal tests: tiny LLaVA checkpoints (perturbed) and random images."""
+"""Fixtures for the multimodal tests: tiny LLaVA checkpoints, perturbed."""
 
 from __future__ import annotations
 
@@ -6,10 +6,8 @@ import json
 import re
 import zlib
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from engine.tiny import build_tiny_llava
@@ -45,15 +43,3 @@ def llava_factory(tmp_path_factory):
         return built[key]
 
     return make
-
-
-def random_images(count: int, seed: int = 0) -> list[Image.Image]:
-    """Noise images of different sizes and modes, so resizing, cropping and RGB conversion all take part."""
-    rs = np.random.RandomState(seed)
-    images = []
-    for i in range(count):
-        h, w = 24 + 11 * i, 40 + 7 * (i % 3)
-        pixels = rs.randint(0, 256, (h, w, 3), dtype=np.uint8)
-        image = Image.fromarray(pixels)
-        images.append(image.convert(("RGB", "RGBA", "L", "P")[i % 4]))
-    return images

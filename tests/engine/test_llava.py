@@ -18,7 +18,7 @@ from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.multimodal import MultimodalPrompt, MultimodalProcessor, embeddings_in_span
 from engine.vision import VisionEncoder
-from tests.engine.conftest import random_images
+from tests.engine.images import random_images
 from tests.engine.parity import assert_same_tokens
 
 MODELS = {

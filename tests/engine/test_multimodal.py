@@ -22,7 +22,7 @@ from engine.multimodal import (
     embeddings_in_span,
     expand_placeholders,
 )
-from tests.engine.conftest import random_images
+from tests.engine.images import random_images
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +201,11 @@ def test_formats_outside_the_allowed_set_are_not_opened():
     assert decode_image(tiff, ImageLimits(formats=("TIFF",))).size == (40, 24)
     with pytest.raises(ValueError, match="not a decodable image"):
         decode_image(tiff, ImageLimits())
+
+
+def test_unknown_format_name_is_refused():
+    with pytest.raises(ValueError, match="cannot open format.*NOPE"):
+        ImageLimits(formats=("PNG", "NOPE"))
 
 
 def test_first_frame_of_an_animation():

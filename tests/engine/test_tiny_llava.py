@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from engine import tiny
-from tests.engine.conftest import random_images
+from tests.engine.images import random_images
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "processor_config.json",
