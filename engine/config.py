@@ -18,6 +18,18 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+# Image + text checkpoints whose text part is one of the above (the vision part is engine/vision.py's).
+MULTIMODAL_ARCHITECTURES = {"LlavaForConditionalGeneration"}
+# A LLaVA text_config names its family only by model_type.
+_TEXT_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+# Where a LLaVA checkpoint keeps its text model's tensors: language_model.model.* and language_model.lm_head.weight,
+# the names transformers (4.x and 5.x alike) writes on disk.
+LLAVA_TEXT_PREFIX = "language_model."
 
 # Keys that record who wrote the file, not what the model computes: kept out of the fingerprint.
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
@@ -51,6 +63,8 @@ class ModelSpec:
     rope_type: str
     rope_inv_freq: tuple[float, ...] = field(repr=False)  # (head_dim // 2,) fp32 values, exact as floats
     rope_attention_scaling: float = 1.0  # cos/sin multiplier (1 unless yarn or longrope)
+    # Prepended to every tensor name of the text model: "" for a text checkpoint, "language_model." for LLaVA's.
+    weight_prefix: str = ""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -65,8 +79,11 @@ def load_spec(model_dir) -> ModelSpec:
     """Reads config.json (+ generation_config.json, safetensors headers) of a local HF checkpoint."""
     model_dir = pathlib.Path(model_dir)
     # Checked on the raw file first, so a model_type transformers does not know still gets our message.
-    arch = _architecture(json.loads((model_dir / "config.json").read_text()))
-    config = transformers.AutoConfig.from_pretrained(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    arch, prefix = _architecture(raw), ""
+    config = top = transformers.AutoConfig.from_pretrained(model_dir)
+    if arch in MULTIMODAL_ARCHITECTURES:  # the spec is the text part's; the fingerprint still covers the whole model
+        arch, prefix, config = _text_architecture(arch, raw), LLAVA_TEXT_PREFIX, top.text_config
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {config.hidden_act!r} is not supported (only 'silu')")
     heads = config.num_attention_heads
@@ -83,26 +100,37 @@ def load_spec(model_dir) -> ModelSpec:
         head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         rms_norm_eps=float(config.rms_norm_eps),
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),  # LLaVA: the top level decides
         **_biases(arch, config),
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_windows=_sliding_windows(arch, config),
         max_position_embeddings=config.max_position_embeddings,
         **_special_ids(model_dir, config),
-        checkpoint_dtype=_checkpoint_dtype(config, headers),
+        checkpoint_dtype=_checkpoint_dtype(top, headers),
         fingerprint=_fingerprint(model_dir, headers),
         rope_type=rope_type,
         rope_inv_freq=tuple(float(f) for f in inv_freq.tolist()),
         rope_attention_scaling=float(scaling),
+        weight_prefix=prefix,
     )
 
 
 def _architecture(raw_config: dict) -> str:
     archs = raw_config.get("architectures") or []
     arch = archs[0] if archs else f"<none given; model_type {raw_config.get('model_type')!r}>"
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    if arch not in SUPPORTED_ARCHITECTURES | MULTIMODAL_ARCHITECTURES:
+        supported = sorted(SUPPORTED_ARCHITECTURES) + sorted(MULTIMODAL_ARCHITECTURES)
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(supported)}")
     return arch
+
+
+def _text_architecture(arch: str, raw_config: dict) -> str:
+    model_type = (raw_config.get("text_config") or {}).get("model_type", "llama")  # LlavaConfig's default text model
+    text_arch = _TEXT_ARCHITECTURE_OF_MODEL_TYPE.get(model_type)
+    if text_arch is None:
+        supported = ", ".join(_TEXT_ARCHITECTURE_OF_MODEL_TYPE)
+        raise ValueError(f"{arch}: unsupported text model_type {model_type!r}; supported: {supported}")
+    return text_arch
 
 
 def _biases(arch: str, config) -> dict:

@@ -1,7 +1,8 @@
 """Copies a Hugging Face safetensors checkpoint (one file or shards) into CausalLM's parameters.
 
 Our parameter names are transformers' without the "model." prefix, except the fused projections, each filled from
-several checkpoint tensors stacked along the output dimension.
+several checkpoint tensors stacked along the output dimension. A multimodal checkpoint's text model lives under
+spec.weight_prefix; its other tensors (vision tower, projector) are engine/vision.py's and ignored here.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def load_weights(model: torch.nn.Module, model_dir) -> None:
     missing = sorted(set(targets) - set(headers))
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(missing)}")
-    unexpected = sorted(n for n in headers if n not in targets and not _ignorable(n, model.spec))
+    ours = [n for n in headers if n.startswith(model.spec.weight_prefix)]
+    unexpected = sorted(n for n in ours if n not in targets and not _ignorable(n, model.spec))
     if unexpected:
         raise ValueError(f"{model_dir}: unexpected tensor(s) in checkpoint: {', '.join(unexpected)}")
     for name, info in headers.items():
@@ -61,13 +63,14 @@ def _targets(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int, tuple
 
 def _sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
     """Our parameter name -> [(checkpoint name, rows it fills; None = all)], in stacking order."""
+    prefix = spec.weight_prefix
     if ours.startswith("lm_head."):
-        return [(ours, None)]
+        return [(prefix + ours, None)]
     for fused, parts in _FUSED.items():
         head, sep, tail = ours.partition(fused)
         if sep:
-            return [(f"model.{head}{part}{tail}", rows) for part, rows in zip(parts, _split_rows(fused, spec))]
-    return [("model." + ours, None)]
+            return [(f"{prefix}model.{head}{part}{tail}", rows) for part, rows in zip(parts, _split_rows(fused, spec))]
+    return [(f"{prefix}model.{ours}", None)]
 
 
 def _split_rows(fused: str, spec: ModelSpec) -> tuple[int, ...]:
@@ -79,4 +82,5 @@ def _split_rows(fused: str, spec: ModelSpec) -> tuple[int, ...]:
 
 def _ignorable(name: str, spec: ModelSpec) -> bool:
     # A tied checkpoint may still ship lm_head.weight; transformers ignores it in favour of the embeddings.
-    return name.endswith(_IGNORED_SUFFIXES) or (spec.tie_word_embeddings and name == "lm_head.weight")
+    tied_head = spec.tie_word_embeddings and name == spec.weight_prefix + "lm_head.weight"
+    return name.endswith(_IGNORED_SUFFIXES) or tied_head

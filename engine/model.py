@@ -133,9 +133,17 @@ class CausalLM(nn.Module):
         s = self.spec
         return KVLayout(s.num_layers, s.num_kv_heads, s.head_dim, block_size, str(self.dtype).removeprefix("torch."))
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """input_ids, positions (T,) -> final-normed hidden states (T, hidden). positions < max_position_embeddings."""
+    def forward(
+        self, input_ids, positions, meta: AttentionMetadata, kv_cache: KVCache, row_embeds=None
+    ) -> torch.Tensor:
+        """input_ids, positions (T,) -> final-normed hidden states (T, hidden). positions < max_position_embeddings.
+
+        row_embeds: optional (rows (R,) long, embeddings (R, hidden)) replacing the token embeddings of those flat-batch
+        rows: image embeddings at their placeholders (engine/multimodal.py's embeddings_in_span)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
+        if row_embeds is not None:
+            rows, embeds = row_embeds
+            x[rows] = embeds.to(x.dtype)  # transformers casts the image features to the embeddings' dtype too
         cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
         sin = self.rope_sin[positions].unsqueeze(1)  # (T, 1, head_dim)
         for i, layer in enumerate(self.layers):

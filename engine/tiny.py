@@ -6,6 +6,10 @@ real checkpoint (config.json, safetensors, tokenizer.json), so the loader, token
 detokenizer paths are the ones a real model would take.
 
     python -m engine.tiny models/tiny-llama [--arch llama] [--size tiny] [--seed 0] [--dtype float32]
+    python -m engine.tiny models/tiny-llava --arch llava [--text-arch llama] [--vision clip|siglip]
+
+A llava checkpoint is LlavaForConditionalGeneration (a tiny CLIP or SigLIP tower, the MLP projector, one of the text
+architectures) with the `<image>` token and processor files for the PIL backend, as AutoProcessor loads them.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import random
 import torch
 import transformers
 from safetensors import safe_open
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # text-only; "llava" wraps one of them
+VISION_TOWERS = ("clip", "siglip")
 
 BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -30,6 +35,8 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 # rebuilds qwen2 tokenizers as Qwen2Tokenizer, which would otherwise add an unk token of its own
 # and make len(tokenizer) exceed the model's vocab.
 SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_TOKENS, UNK)
+# Added after BPE training (id len(vocab)), so a llava checkpoint tokenizes text exactly as the text-only ones do.
+IMAGE_TOKEN = "<image>"
 
 # Qwen2's pre-tokenizer regex (single digits, contractions, punctuation runs). AutoTokenizer
 # forces Qwen2Tokenizer on qwen2 checkpoints and that class rebuilds the pipeline as NFC + this
@@ -46,6 +53,20 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+# The same turns; content may also be a list of parts (transformers' and OpenAI's), an image part becoming <image>.
+MULTIMODAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '" + IMAGE_TOKEN + "' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
@@ -70,6 +91,26 @@ SIZES = {
     # ~19M params: large enough for batching and KV-transfer costs to show in benchmarks.
     "bench": TinySize(8192, 384, 1024, 8, 6, 2, 4096),
 }
+
+@dataclasses.dataclass(frozen=True)
+class TinyVision:
+    """Shape of the vision tower: (image_size / patch_size)^2 = 16 patches, so 16 image tokens per image."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    image_size: int = 32
+    patch_size: int = 8
+
+
+# Per tower: its config class, PIL image processor, and how LLaVA checkpoints built on it select features. CLIP has a
+# CLS token that "default" drops (num_additional_image_tokens=1); SigLIP has none and keeps every patch.
+_VISION = {
+    "clip": dict(feature_layer=-2, strategy="default", extra_tokens=1),
+    "siglip": dict(feature_layer=-1, strategy="full", extra_tokens=0),
+}
+
 
 # std 0.02 (the HF default) gives flat logits at this width (std ~0.3): greedy decoding meets
 # near-ties and soon loops on a few tokens. At 0.15 the greedy top-2 gap has a median ~0.4 and is
@@ -182,21 +223,28 @@ def _tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def build_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer of at most vocab_size tokens (specials included).
+def build_tokenizer(vocab_size: int, image_token: bool = False) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of at most vocab_size tokens (specials included), plus IMAGE_TOKEN if asked.
 
     Text is NFC-normalized, so decode(encode(s)) == unicodedata.normalize("NFC", s).
     """
+    tok = Tokenizer.from_str(_tokenizer_json(vocab_size))
+    extra = {}
+    if image_token:
+        tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+        # A named special token: LlavaProcessor takes tokenizer.image_token as its placeholder.
+        extra = dict(image_token=IMAGE_TOKEN)
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
+        tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
         additional_special_tokens=list(ROLE_TOKENS),
-        chat_template=CHAT_TEMPLATE,
+        chat_template=MULTIMODAL_CHAT_TEMPLATE if image_token else CHAT_TEMPLATE,
         # Cleanup would rewrite " ." to "." and break decode(encode(s)) == s.
         clean_up_tokenization_spaces=False,
+        **extra,
     )
 
 
@@ -215,7 +263,7 @@ def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
     return kwargs
 
 
-def make_config(arch: str = "llama", size: str = "tiny", **config_overrides):
+def make_config(arch: str = "llama", size: str = "tiny", image_token: bool = False, **config_overrides):
     """(config, tokenizer) for arch and size; config.vocab_size == len(tokenizer) exactly.
 
     A vocab_size override is the BPE target; the model gets the vocab the trainer reached.
@@ -225,7 +273,7 @@ def make_config(arch: str = "llama", size: str = "tiny", **config_overrides):
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {tuple(SIZES)}")
     kwargs = _config_kwargs(arch, SIZES[size], config_overrides)
-    tokenizer = build_tokenizer(kwargs["vocab_size"])
+    tokenizer = build_tokenizer(kwargs["vocab_size"], image_token)
     kwargs.update(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
@@ -244,24 +292,114 @@ def build_tiny_model(
     max_shard_size=None,
     **config_overrides,
 ) -> pathlib.Path:
-    """Write a random-weight checkpoint + tokenizer to out_dir and return its path."""
+    """Write a random-weight checkpoint + tokenizer to out_dir and return its path.
+
+    arch "llava" takes build_tiny_llava's keywords (text_arch, vision, vision_config, llava_config) among the overrides.
+    """
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {tuple(_DTYPES)}")
-    out = pathlib.Path(out_dir)
+    if arch == "llava":
+        return build_tiny_llava(out_dir, size=size, seed=seed, dtype=dtype, max_shard_size=max_shard_size,
+                                **config_overrides)
     config, tokenizer = make_config(arch, size, **config_overrides)
+    model = _init_model(_CONFIGS[arch][1], config, seed, dtype)
+    return _save(out_dir, model, config, tokenizer, max_shard_size)
+
+
+def build_tiny_llava(
+    out_dir,
+    text_arch: str = "llama",
+    vision: str = "clip",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size=None,
+    vision_config: dict | None = None,
+    llava_config: dict | None = None,
+    **text_overrides,
+) -> pathlib.Path:
+    """A random-weight LlavaForConditionalGeneration checkpoint + tokenizer + processor in out_dir.
+
+    vision_config overrides the tower's config (TinyVision's fields, hidden_act, ...); llava_config the top level
+    (vision_feature_layer, vision_feature_select_strategy, projector_hidden_act, multimodal_projector_bias); the rest
+    the text model's.
+    """
+    if vision not in VISION_TOWERS:
+        raise ValueError(f"unknown vision tower {vision!r}; expected one of {VISION_TOWERS}")
+    text, tokenizer = make_config(text_arch, size, image_token=True, **text_overrides)
+    tower = _vision_config(vision, vision_config or {})
+    top = _llava_config(vision, text, tower, tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), llava_config or {})
+    model = _init_model(transformers.LlavaForConditionalGeneration, top, seed, dtype)
+    out = _save(out_dir, model, text, tokenizer, max_shard_size)
+    _processor(vision, tower, top, tokenizer).save_pretrained(out)
+    return out
+
+
+def _vision_config(vision: str, overrides: dict):
+    kwargs = dataclasses.asdict(TinyVision())
+    if vision == "siglip":
+        kwargs["vision_use_head"] = False  # LLaVA never reads the pooling head: a SigLIP tower for it ships none
+    kwargs.update(overrides)
+    config_class = transformers.CLIPVisionConfig if vision == "clip" else transformers.SiglipVisionConfig
+    return config_class(**kwargs)
+
+
+def _llava_config(vision: str, text, tower, image_token_id: int, overrides: dict):
+    kwargs = dict(
+        vision_feature_layer=_VISION[vision]["feature_layer"],
+        vision_feature_select_strategy=_VISION[vision]["strategy"],
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=True,
+    )
+    kwargs.update(overrides)
+    patches = (tower.image_size // tower.patch_size) ** 2
+    drop_cls = kwargs["vision_feature_select_strategy"] == "default"
+    return transformers.LlavaConfig(
+        vision_config=tower,
+        text_config=text,
+        image_token_index=image_token_id,
+        image_seq_length=patches + _VISION[vision]["extra_tokens"] - drop_cls,
+        tie_word_embeddings=text.tie_word_embeddings,
+        **kwargs,
+    )
+
+
+def _processor(vision: str, tower, top, tokenizer):
+    """LlavaProcessor with the PIL image processor of the tower's family, sized to the tower's input."""
+    side = tower.image_size
+    if vision == "clip":
+        images = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    else:
+        images = transformers.SiglipImageProcessorPil(size={"height": side, "width": side})
+    return transformers.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=tower.patch_size,
+        vision_feature_select_strategy=top.vision_feature_select_strategy,
+        num_additional_image_tokens=_VISION[vision]["extra_tokens"],
+        chat_template=MULTIMODAL_CHAT_TEMPLATE,
+    )
+
+
+def _init_model(model_class, config, seed: int, dtype: str):
     # Init in fp32 then cast, so a bf16 build holds the rounded fp32 weights of the same seed.
     # fork_rng: building a model must not reseed the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = _CONFIGS[arch][1](config).to(_DTYPES[dtype])
-    tokenizer.model_max_length = config.max_position_embeddings
+        return model_class(config).to(_DTYPES[dtype])
+
+
+def _save(out_dir, model, text_config, tokenizer, max_shard_size) -> pathlib.Path:
+    out = pathlib.Path(out_dir)
+    tokenizer.model_max_length = text_config.max_position_embeddings
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, **save_kwargs)
     # Only the special ids: sampling defaults here would silently change what "greedy" means.
     transformers.GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=text_config.bos_token_id,
+        eos_token_id=text_config.eos_token_id,
+        pad_token_id=text_config.pad_token_id,
     ).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -280,12 +418,15 @@ def num_parameters(model_dir) -> int:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m engine.tiny", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--arch", default="llama", choices=ARCHITECTURES)
+    parser.add_argument("--arch", default="llama", choices=(*ARCHITECTURES, "llava"))
     parser.add_argument("--size", default="tiny", choices=tuple(SIZES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=tuple(_DTYPES))
+    parser.add_argument("--text-arch", default="llama", choices=ARCHITECTURES, help="the text model of a llava")
+    parser.add_argument("--vision", default="clip", choices=VISION_TOWERS, help="vision tower of --arch llava")
     args = parser.parse_args(argv)
-    out = build_tiny_model(args.out_dir, args.arch, args.size, args.seed, args.dtype)
+    llava = dict(text_arch=args.text_arch, vision=args.vision) if args.arch == "llava" else {}
+    out = build_tiny_model(args.out_dir, args.arch, args.size, args.seed, args.dtype, **llava)
     print(f"{out} {num_parameters(out):,} parameters")
 
 
