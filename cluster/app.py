@@ -38,7 +38,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 def build_from_config(config: RaypdConfig) -> serve.Application:
     engine = dataclasses.replace(config.engine_config(), cluster_key=cluster_key())
     postprocs = start_postprocs(config)
-    addrs = ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=_START_TIMEOUT_S)
+    ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=_START_TIMEOUT_S)  # all started
     routing = router_config(config.router.policy.value)
     extra = {"request_router_config": routing} if routing is not None else {}
     prefill = serve.deployment(PrefillReplica, name="prefill").options(**config.prefill.deployment_options(), **extra)
@@ -48,18 +48,19 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     # Roles' scaling is left out of the ingress's arguments: a redeploy that only rescales then changes no replica's
     # arguments, and Serve adds or removes replicas without restarting the others.
     ingress_config = config.model_copy(update={role: Role() for role in ("prefill", "decode", "postproc", "ingress")})
-    prefill_app = None if config.mode == "colocated" else prefill.bind(config.model, engine)
-    return ingress.bind(ingress_config, prefill_app, decode.bind(config.model, engine, addrs),
+    prefill_app = None if config.mode == "colocated" else prefill.bind(config.model, engine, postprocs)
+    return ingress.bind(ingress_config, prefill_app, decode.bind(config.model, engine, postprocs),
                         config.http.api_key_value(), postprocs)
 
 
 def start_postprocs(config: RaypdConfig) -> list:
     """The postproc workers: named, detached actors, so every decode and ingress replica (and a later redeploy)
-    finds the same ones. Their count is fixed: requests go to worker `request id % count`."""
+    finds the same ones. Their count is fixed: requests go to worker `request id % count`. Ray restarts one that
+    dies (a new pipe; replicas and owners follow it there)."""
     actor = ray.remote(PostprocActor)
     role = config.postproc
     options = dict(num_cpus=role.num_cpus or 0, num_gpus=role.num_gpus, resources=dict(role.resources),
-                   lifetime="detached", get_if_exists=True, namespace=POSTPROC_NAMESPACE)
+                   lifetime="detached", get_if_exists=True, namespace=POSTPROC_NAMESPACE, max_restarts=-1)
     return [actor.options(name=f"raypd-postproc-{i}", **options).remote(config.model, config.post_processor_hook)
             for i in range(config.num_postprocess_workers)]
 

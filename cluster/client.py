@@ -7,83 +7,65 @@ queued tokens, its first token is streamed at once, then it is decoded on the le
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from typing import Any, AsyncIterator, Sequence
 
 from ray.exceptions import RayActorError
 from transformers import AutoTokenizer
 
-from cluster.owner import RequestOwner
+from cluster.owner import NotAccepted, RequestOwner
 from cluster.router import Router
 from llmapi.batch import Prompt, as_prompt_list, wait_all
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import Resume
 from llmapi.result import RequestOutput
 from llmapi.sampling_params import SamplingParams
 
-log = logging.getLogger(__name__)
-
 
 class ActorRoles:
-    """Roles on plain Ray actors: this owner routes (least queued tokens) and retries a dead prefill actor once."""
+    """Roles on plain Ray actors: this owner routes each call to the least loaded worker of the role (by the tokens
+    it has sent there), skipping workers it has seen die."""
 
-    def __init__(self, prefill: list[Any], decode: list[Any], call_timeout_s: float):
-        self.prefill_router = Router(prefill, "prefill")
-        self.decode_router = Router(decode, "decode")
-        self.call_timeout_s = call_timeout_s
+    def __init__(self, prefill: list[Any], decode: list[Any]):
+        self.routers = {"prefill": Router(prefill, "prefill"), "decode": Router(decode, "decode")}
         self.colocated = False
-        self._where: dict[int, Any] = {}  # request id -> the actor that holds it now
+        self._dead: set[Any] = set()
 
-    async def prefill(self, result: RequestOutput) -> EngineResponse:
-        cost, tried = len(result.prompt_token_ids), ()
-        while True:
-            i = self.prefill_router.pick(cost, exclude=tried)
-            worker = self._where[result.request_id] = self.prefill_router.workers[i]
-            try:
-                call = worker.prefill.remote(result.request_id, result.prompt_token_ids, result.sampling_params)
-                return await asyncio.wait_for(call, self.call_timeout_s)
-            except RayActorError as exc:
-                tried += (i,)
-                if len(tried) == len(self.prefill_router.workers):
-                    raise RuntimeError(f"prefill worker {i} died and no other is left: {exc}") from exc
-                log.warning("prefill worker %d died; request %d goes to another", i, result.request_id)
-            finally:
-                self.prefill_router.release(i, cost)
-                self._where.pop(result.request_id, None)
+    def prefill(self, request_id: int, result: RequestOutput) -> AsyncIterator:
+        return self._stream("prefill", "prefill", len(result.prompt_token_ids), request_id,
+                            result.prompt_token_ids, result.sampling_params)
 
-    async def decode(self, result: RequestOutput, params: DisaggregatedParams) -> AsyncIterator[EngineResponse]:
+    def generate(self, role: str, request_id: int, result: RequestOutput, params: DisaggregatedParams | None,
+                 resume: Resume | None) -> AsyncIterator:
         cost = len(result.prompt_token_ids) + result.sampling_params.max_tokens
-        i = self.decode_router.pick(cost)
-        worker = self._where[result.request_id] = self.decode_router.workers[i]
+        return self._stream(role, "generate", cost, request_id, result.prompt_token_ids, result.sampling_params,
+                            params, resume)
+
+    def generate_via_postproc(self, *args) -> AsyncIterator:
+        raise NotImplementedError("plain-actor owners post-process the decode stream themselves (no lanes)")
+
+    async def _stream(self, role: str, method: str, cost: int, *args) -> AsyncIterator:
+        router = self.routers[role]
+        dead = tuple(i for i, w in enumerate(router.workers) if w in self._dead)
         try:
-            refs = worker.generate.remote(result.request_id, result.prompt_token_ids, result.sampling_params, params)
-            async for ref in refs:
+            i = router.pick(cost, exclude=dead)
+        except RuntimeError as exc:  # every worker of the role is dead: the owner serves it another way
+            raise NotAccepted(str(exc)) from None
+        worker = router.workers[i]
+        try:
+            async for ref in getattr(worker, method).remote(*args):
                 yield await ref
-        except RayActorError as exc:
-            raise RuntimeError(f"decode worker {i} died while serving request {result.request_id}: {exc}") from exc
+        except RayActorError:
+            self._dead.add(worker)
+            raise
         finally:
-            self.decode_router.release(i, cost)
-            self._where.pop(result.request_id, None)
-
-    def release(self, params: DisaggregatedParams) -> None:
-        self.decode_router.workers[0].release_kv.remote(params)
-
-    def stop(self, request_id: int, indices: list[int], finished: bool) -> None:
-        worker = self._where.get(request_id)
-        if worker is not None:
-            worker.stop_candidates.remote(request_id, indices)
-
-    def abort(self, request_id: int) -> None:
-        worker = self._where.get(request_id)
-        if worker is not None:
-            worker.abort.remote(request_id)
+            router.release(i, cost)
 
 
 class DisaggregatedClient:
     def __init__(self, prefill: list[Any], decode: list[Any], tokenizer_dir: str, request_timeout_s: float = 300.0):
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.owner = RequestOwner(ActorRoles(prefill, decode, request_timeout_s), self.tokenizer, request_timeout_s)
+        self.owner = RequestOwner(ActorRoles(prefill, decode), self.tokenizer, request_timeout_s)
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._aloop.run_forever, name="raypd-owner", daemon=True)
         self._thread.start()

@@ -26,7 +26,7 @@ from engine.config import load_spec
 from engine.kv_cache import KVLayout
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
-from postproc.routing import Lane
+from cluster.lanes import OwnerLanes
 
 app = FastAPI(title="raypd", description="OpenAI-compatible endpoints of a disaggregated prefill/decode cluster")
 _HEALTH_TIMEOUT_S = 10.0
@@ -151,8 +151,9 @@ class Ingress:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.limits = EdgeLimits.of(self.config)
-        self._lane, lanes = self._open_lane(postprocs)
-        self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s, lanes)
+        self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s)
+        self._lanes = self._open_lanes(postprocs)
+        self.owner.lanes = self._lanes
         self.metrics = Metrics()
         self._roles = {name: h for name, h in (("prefill", prefill), ("decode", decode)) if h is not None}
         self._directory = Directory(serve.get_replica_context().replica_id.deployment_id.app_name)
@@ -161,6 +162,9 @@ class Ingress:
     # ---- endpoints ----
     @app.get("/health")
     async def health(self) -> JSONResponse:
+        postproc = self._lanes.health() if self._lanes is not None else None
+        if postproc is not None:
+            return JSONResponse(error_body(f"postproc role is degraded: {postproc}", "service_unavailable"), 503)
         for role, handle in self._roles.items():
             try:
                 await asyncio.wait_for(handle.check_health.remote(), _HEALTH_TIMEOUT_S)
@@ -206,18 +210,19 @@ class Ingress:
         return await self._serve([(text, ids)], params, body, fmt)
 
     # ---- helpers ----
-    def _open_lane(self, postprocs: list) -> tuple[Lane | None, tuple[int, ...]]:
-        """This replica's lane: postproc workers push the outputs of its requests there (signed, over tcp)."""
+    def _open_lanes(self, postprocs: list) -> OwnerLanes | None:
+        """This replica's lane: postproc workers push the outputs of its requests there (signed, over tcp); a
+        watch follows the workers through restarts."""
         if not postprocs:
-            return None, ()
+            return None
         loop = asyncio.get_event_loop()
-        lane = Lane(lambda out: loop.call_soon_threadsafe(self.owner.on_output, out),
-                    host=ray.util.get_node_ip_address())
-        return lane, tuple(ray.get([p.add_lane.remote(lane.addr) for p in postprocs], timeout=_HEALTH_TIMEOUT_S * 6))
+        lanes = OwnerLanes(postprocs, self.owner.on_output, loop, ray.util.get_node_ip_address())
+        self._watch = loop.create_task(lanes.watch(self.owner.on_postproc_lost))
+        return lanes
 
     def __del__(self):
-        if getattr(self, "_lane", None) is not None:
-            self._lane.close()
+        if getattr(self, "_lanes", None) is not None:
+            self._lanes.close()
 
     def _authorize(self, request: Request) -> None:
         if self._api_key is None:

@@ -1,5 +1,12 @@
 """The request owner: creates each request's GenerationResult, runs it prefill -> decode, post-processes what comes
-back into it. Where the roles live is behind `Roles`: plain Ray actors (ActorRoles) or Serve deployments (ServeRoles).
+back into it, and survives the loss of the workers on the way. Where the roles live is behind `Roles`: plain Ray actors
+(ActorRoles) or Serve deployments (ServeRoles).
+
+Every role call streams `Accepted` first (the replica's control pipe, where Abort and StopCandidates go). A lost
+prefill worker: the request is served whole on a decode worker. A lost decode worker (or postproc worker): the
+request is resumed from its candidates' tokens so far on another decode worker, or whole on a prefill worker when no
+decode worker takes it; draws depend only on (seed, candidate, position), so the stream goes on with the tokens it
+would have had. A bounded number of times, then a clear error naming the role.
 """
 
 from __future__ import annotations
@@ -9,56 +16,91 @@ import copy
 import itertools
 import logging
 import uuid
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+from cluster.control import ControlClient
+from decode.worker import Abort, Accepted, Done, PostprocRoute, PostprocUnreachable, StopCandidates
 from llmapi.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse, TokenDelta
+from llmapi.outputs import EngineResponse, Resume, ResumedCandidate, TokenDelta
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+MAX_ATTEMPTS = 3  # calls to decode a request, the first included
+ACCEPT_TIMEOUT_S = 5.0  # a role call that no replica accepts within this counts as that role being down
+LANE_GRACE_S = 5.0  # after the engine is done, the final output must come through the postproc worker within this
+
+
+class PostprocLost(RuntimeError):
+    """The postproc worker carrying a request's tokens is gone (or restarted)."""
+
+
+class NotAccepted(RuntimeError):
+    """No replica of a role took the call in time."""
+
+
+LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, PostprocLost, PostprocUnreachable,
+        NotAccepted)
+
 
 class Roles(Protocol):
-    """How an owner reaches the prefill and decode workers. Every call has the owner's deadline around it.
-    colocated: there is no prefill role; decode workers serve whole requests (params None below)."""
+    """How an owner reaches the workers. Each call streams Accepted first. role: "prefill" or "decode" (a prefill
+    worker serves whole requests too). colocated: there is no prefill role."""
 
     colocated: bool
 
-    async def prefill(self, result: RequestOutput) -> EngineResponse:
-        """The context-only response of a prefill worker it picked: first tokens, and a Handoff unless every
-        candidate ended there."""
+    def prefill(self, request_id: int, result: RequestOutput) -> AsyncIterator[Accepted | EngineResponse]:
+        """Accepted, then the context-only response (first tokens; a Handoff unless every candidate ended)."""
 
-    def decode(self, result: RequestOutput, params: DisaggregatedParams | None) -> AsyncIterator[EngineResponse]:
-        """The responses of a decode worker it picked; the first tokens are not repeated."""
+    def generate(self, role: str, request_id: int, result: RequestOutput, params: DisaggregatedParams | None,
+                 resume: Resume | None) -> AsyncIterator[Accepted | EngineResponse]:
+        """Accepted, then the responses: generation-only from params' KV, or whole (params None)."""
 
-    async def decode_via_postproc(self, result: RequestOutput, params: DisaggregatedParams,
-                                  lanes: tuple[int, ...]) -> None:
-        """Decodes on a worker that pushes the tokens to the postproc workers (lane index per worker); returns when
-        the engine is done. Needed only by owners that have lanes."""
+    def generate_via_postproc(self, role: str, request_id: int, result: RequestOutput,
+                              params: DisaggregatedParams | None, resume: Resume | None,
+                              route: PostprocRoute) -> AsyncIterator[Accepted | Done]:
+        """Accepted, then Done once the engine is done; the tokens go through the postproc workers."""
 
-    def release(self, params: DisaggregatedParams) -> None:
-        """Frees the prefill side's blocks of a request that will not be decoded (via any decode worker)."""
 
-    def stop(self, request_id: int, indices: list[int], finished: bool) -> None:
-        """Candidates ended by post-processing (stop string); finished: the whole request is done."""
+class Lanes(Protocol):
+    """The owner's lane on the postproc workers (cluster.lanes.OwnerLanes)."""
 
-    def abort(self, request_id: int) -> None:
-        """Stops the request wherever it is and frees its blocks."""
+    def route(self, streaming: bool) -> PostprocRoute | None:
+        """Where a new request's tokens go, or None while a postproc worker is down (serve it directly)."""
+
+
+@dataclass(eq=False)
+class _Serving:
+    """One request while the owner serves it."""
+
+    result: RequestOutput
+    record: DetokenizedGenerationResultBase  # post-processing when tokens come straight from the engine
+    engine_id: int  # the request's id on the engines; a resumed request gets a new one
+    holders: dict[str, tuple[tuple, int]] = field(default_factory=dict)  # role -> (control pipe, engine id)
+    serving_role: str = "decode"
 
 
 class RequestOwner:
-    """lanes: this owner's lane index on each postproc worker. With lanes, decoded tokens come back through the
-    postproc workers (detokenized there) to on_output(); without, the owner post-processes the decode stream itself."""
+    """lanes: with them, decoded tokens come back through the postproc workers (detokenized there) to on_output();
+    without, the owner post-processes the decode stream itself."""
 
-    def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: tuple[int, ...] = ()):
+    def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: Lanes | None = None):
         self.roles = roles
         self.tokenizer = tokenizer
         self.request_timeout_s = request_timeout_s
-        self.lanes = tuple(lanes)
+        self.lanes = lanes
+        self.control = ControlClient()
         self._ids = itertools.count(uuid.uuid4().int >> 80)  # unique across owners that share workers
-        self._via_lane: dict[int, tuple[RequestOutput, asyncio.Event]] = {}
+        self._serving: dict[int, _Serving] = {}  # result id -> state
+        self._via_lane: dict[int, tuple[_Serving, asyncio.Future]] = {}  # engine id -> state, final output
+        self.counters = {"resumed": 0, "prefill_lost": 0}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the owner's event loop: all its state lives there
 
     def create(self, prompt: str | list[int], params: SamplingParams, streaming: bool = False, text: str | None = None,
                ) -> tuple[RequestOutput, DetokenizedGenerationResultBase]:
@@ -72,87 +114,232 @@ class RequestOwner:
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         request_id = next(self._ids)
-        result = RequestOutput(request_id, ids, params, text, streaming, abort_fn=self.roles.abort)
-        return result, DetokenizedGenerationResultBase(request_id, ids, params, self.tokenizer, streaming)
+        result = RequestOutput(request_id, ids, params, text, streaming, abort_fn=self.abort)
+        return result, self._record(result)
+
+    def _record(self, result: RequestOutput) -> DetokenizedGenerationResultBase:
+        return DetokenizedGenerationResultBase(result.request_id, result.prompt_token_ids, result.sampling_params,
+                                               self.tokenizer, result.streaming)
 
     async def run(self, result: RequestOutput, record: DetokenizedGenerationResultBase) -> None:
         """Serves one request to its end; every failure reaches the result as an error that says where."""
+        self._loop = asyncio.get_running_loop()
+        s = self._serving[result.request_id] = _Serving(result, record, result.request_id)
         try:
-            await asyncio.wait_for(self._serve(result, record), self.request_timeout_s)
+            await asyncio.wait_for(self._serve(s), self.request_timeout_s)
         except asyncio.TimeoutError:
-            self.roles.abort(result.request_id)
+            self.abort(result.request_id)
             result.put(RequestError(f"request {result.request_id} did not finish within {self.request_timeout_s} s"))
         except Exception as exc:
+            exc = getattr(exc, "cause", None) or exc  # a worker's own error, not Ray's wrapper (pids, tracebacks)
             result.put(exc if isinstance(exc, (ValueError, RequestError)) else RequestError(str(exc)))
+        finally:
+            del self._serving[result.request_id]
 
-    async def _serve(self, result: RequestOutput, record: DetokenizedGenerationResultBase) -> None:
-        if self.roles.colocated:
-            await self._generate(result, record, None)
+    def abort(self, request_id: int) -> None:
+        """The client is gone: every replica holding the request frees it (blocks, leases), at whatever stage.
+        Callable from any thread."""
+        if self._loop is not None and _running_loop() is not self._loop:
+            self._loop.call_soon_threadsafe(self.abort, request_id)
             return
-        ctx = await self.roles.prefill(result)
+        s = self._serving.get(request_id)
+        for addr, engine_id in (s.holders.values() if s else ()):
+            self.control.send(addr, Abort(engine_id))
+
+    # ---- the stages ----
+    async def _serve(self, s: _Serving) -> None:
+        params = None
+        if not self.roles.colocated:
+            params = await self._prefill(s)
+            if params is False:
+                return
+        await self._decode(s, params)
+
+    async def _prefill(self, s: _Serving) -> DisaggregatedParams | None | bool:
+        """The generation-only params to decode with; None: decode it whole (prefill role lost); False: done."""
+        ctx = None
+        try:
+            async for item in _accepted_within(self.roles.prefill(s.engine_id, s.result), ACCEPT_TIMEOUT_S):
+                if isinstance(item, Accepted):
+                    self._hold(s, "prefill", item)
+                else:
+                    ctx = item
+        except LOST as exc:
+            self.counters["prefill_lost"] += 1
+            log.warning("request %d: %s; it is prefilled on a decode worker instead", s.result.request_id,
+                        _lost("prefill", exc))
+            return None
+        if ctx is None:
+            raise RequestError(f"the prefill worker ended request {s.result.request_id} without a response")
         if ctx.error is not None:
             raise RequestError(ctx.error)
-        if self._deliver(result, record, ctx) or ctx.handoff is None:
-            return  # every candidate ended with its first token; the prefill engine has freed the blocks
-        if result.aborted():  # the client left while its prompt was prefilled: nobody will read the KV
-            self.roles.release(ctx.handoff.generation_params())
-            self._deliver(result, record, _cancelled(result))
-            return
-        await self._generate(result, record, ctx.handoff.generation_params())
+        if self._deliver(s, ctx) or ctx.handoff is None:
+            return False  # every candidate ended with its first token; the prefill engine has freed the blocks
+        if s.result.aborted():  # the client left during prefill; its Abort ended the lease
+            self._deliver(s, _cancelled(s))
+            return False
+        return ctx.handoff.generation_params()
 
-    async def _generate(self, result: RequestOutput, record, params: DisaggregatedParams | None) -> None:
-        """Decodes on a decode worker: from the prefill side's KV (params), or the whole request (None)."""
-        if self.lanes:
-            await self._decode_via_postproc(result, params)
-            return
-        async for rsp in self.roles.decode(result, params):
-            if self._deliver(result, record, rsp):
+    async def _decode(self, s: _Serving, params: DisaggregatedParams | None) -> None:
+        role, resume, last_error = "decode", None, ""
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                await self._generate(s, role, params, resume)
                 return
-        if not record.finished:
-            raise RequestError(f"the decode worker ended request {result.request_id} without a final response")
+            except LOST as exc:
+                if s.result.aborted():
+                    self._deliver(s, _cancelled(s))
+                    return
+                log.warning("request %d: %s; resuming it (attempt %d of %d)", s.result.request_id,
+                            _lost(role, exc), attempt + 2, MAX_ATTEMPTS)
+                last_error = _lost(role, exc)
+                resume, params = self._resume(s), None
+                if resume is None:
+                    return
+                self.counters["resumed"] += 1
+                # No decode replica took it: a prefill replica serves it whole (every engine can).
+                role = "prefill" if isinstance(exc, NotAccepted) and role == "decode" and not self.roles.colocated \
+                    else "decode"
+        raise RequestError(f"request {s.result.request_id} could not be finished: {last_error} "
+                           f"({MAX_ATTEMPTS} attempts)")
 
-    async def _decode_via_postproc(self, result: RequestOutput, params: DisaggregatedParams) -> None:
-        """Decoding runs on a decode worker; its text arrives on this owner's lane. Done when the final output has
-        arrived; the decode call is cancelled if post-processing ended the request first (stop string)."""
-        done = asyncio.Event()
-        self._via_lane[result.request_id] = (result, done)
-        call = asyncio.ensure_future(self.roles.decode_via_postproc(result, params, self.lanes))
-        final = asyncio.ensure_future(done.wait())
+    async def _generate(self, s: _Serving, role: str, params: DisaggregatedParams | None,
+                        resume: Resume | None) -> None:
+        route = self.lanes.route(s.result.streaming) if self.lanes is not None else None
+        s.serving_role = role
+        if route is not None:
+            await self._via_postproc(s, role, params, resume, route)
+            return
+        stream = self.roles.generate(role, s.engine_id, s.result, params, resume)
+        async for item in _accepted_within(stream, ACCEPT_TIMEOUT_S):
+            if isinstance(item, Accepted):
+                self._hold(s, role, item)
+            elif self._deliver(s, item):
+                return
+        if not s.record.finished:
+            raise RequestError(f"the {role} worker ended request {s.result.request_id} without a final response")
+
+    async def _via_postproc(self, s: _Serving, role: str, params, resume, route: PostprocRoute) -> None:
+        """The engine's tokens come back on this owner's lane. Done when the final output has arrived; a postproc
+        worker lost meanwhile (on_postproc_lost) stops the call and resumes the request."""
+        final = asyncio.get_running_loop().create_future()
+        self._via_lane[s.engine_id] = (s, final)
+        call = asyncio.ensure_future(self._follow(s, role, self.roles.generate_via_postproc(
+            role, s.engine_id, s.result, params, resume, route)))
         try:
             await asyncio.wait({call, final}, return_when=asyncio.FIRST_COMPLETED)
-            if call.done() and not call.cancelled() and call.exception() is not None:
-                raise call.exception()
-            await final  # the engine is done; its last output may still be on its way through postproc
+            if final.done():
+                final.result()  # raises PostprocLost
+                return
+            call.result()  # raises what lost the call
+            await asyncio.wait_for(asyncio.shield(final), LANE_GRACE_S)
+        except asyncio.TimeoutError:
+            raise PostprocLost(f"no final output from postproc worker {s.engine_id % len(route.lanes)} within "
+                               f"{LANE_GRACE_S} s") from None
         finally:
             call.cancel()
-            final.cancel()
-            self._via_lane.pop(result.request_id, None)
+            self._via_lane.pop(s.engine_id, None)
+            if not final.done() or final.exception() is not None:
+                self._release(s, role)
 
+    async def _follow(self, s: _Serving, role: str, stream) -> None:
+        async for item in _accepted_within(stream, ACCEPT_TIMEOUT_S):
+            if isinstance(item, Accepted):
+                self._hold(s, role, item)
+
+    # ---- what comes back ----
     def on_output(self, out) -> None:
         """One postproc Output for a request of this owner (on the owner's event loop)."""
         entry = self._via_lane.get(out.client_id)
         if entry is None:
-            return
-        result, done = entry
+            return  # a late output of a request resumed since, or gone
+        s, final = entry
         if out.res is not None:
-            result.put(out.res)
-        if out.is_final:
-            done.set()
+            s.result.put(out.res)
+        if out.is_final and not final.done():
+            final.set_result(None)
         elif out.should_abort:
-            self.roles.stop(out.client_id, list(out.should_abort), False)
+            self._stop(s, out.should_abort)
 
-    def _deliver(self, result: RequestOutput, record: DetokenizedGenerationResultBase, rsp: EngineResponse) -> bool:
+    def on_postproc_lost(self, worker: int, count: int, why: str) -> None:
+        """Postproc worker `worker` (of `count`) is gone: its requests are resumed without it."""
+        for engine_id, (s, final) in list(self._via_lane.items()):
+            if engine_id % count == worker and not final.done():
+                final.set_exception(PostprocLost(f"postproc worker {worker} was lost ({why})"))
+
+    def _deliver(self, s: _Serving, rsp: EngineResponse) -> bool:
         """Post-processes one response into the result; True once the request is finished."""
-        delta, to_stop = record.handle(rsp)
-        if to_stop:
-            self.roles.stop(rsp.request_id, to_stop, record.finished)
+        delta, to_stop = s.record.handle(rsp)
+        if to_stop and not s.record.finished:
+            self._stop(s, to_stop)
         if delta is not None:
-            result.put(delta)
-        return record.finished
+            s.result.put(delta)
+        return s.record.finished
+
+    # ---- replicas holding the request ----
+    def _hold(self, s: _Serving, role: str, accepted: Accepted) -> None:
+        s.holders[role] = (tuple(accepted.control), s.engine_id)
+        if s.result.aborted():  # the abort came before the replica was known
+            self.control.send(accepted.control, Abort(s.engine_id))
+
+    def _stop(self, s: _Serving, indices) -> None:
+        holder = s.holders.get(s.serving_role)
+        if holder is not None:
+            self.control.send(holder[0], StopCandidates(holder[1], tuple(indices)))
+
+    def _release(self, s: _Serving, role: str) -> None:
+        """The call ended without the request's end: make sure its replica (if alive) frees it."""
+        holder = s.holders.get(role)
+        if holder is not None and holder[1] == s.engine_id:
+            self.control.send(holder[0], Abort(s.engine_id))
+
+    def _resume(self, s: _Serving) -> Resume | None:
+        """The request's unfinished candidates as far as this owner has them; a new engine id and record."""
+        outs = [o for o in s.result.candidates if o.finish_reason is None]
+        if not outs:
+            return None
+        s.engine_id = next(self._ids)
+        s.record = self._record(s.result)
+        s.record.prime({o.index: list(o.token_ids) for o in s.result.candidates})
+        return Resume(tuple(ResumedCandidate(o.index, tuple(o.token_ids), o.cumulative_logprob or 0.0)
+                            for o in outs))
 
 
-def _cancelled(result: RequestOutput) -> EngineResponse:
-    """The request's end when the owner stops it between roles: every unfinished candidate is cancelled."""
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def _accepted_within(stream: AsyncIterator, timeout: float) -> AsyncIterator:
+    """The stream's items; NotAccepted if its first (Accepted) does not come within timeout."""
+    it = stream.__aiter__()
+    try:
+        try:
+            first = await asyncio.wait_for(it.__anext__(), timeout)
+        except asyncio.TimeoutError:
+            raise NotAccepted(f"no replica took the call within {timeout} s") from None
+        except StopAsyncIteration:
+            return
+        yield first
+        async for item in it:
+            yield item
+    finally:
+        await it.aclose()  # an early exit ends the call now (Serve cancels it), not whenever it is collected
+
+
+def _lost(role: str, exc: BaseException) -> str:
+    """What happened, in words that name the role and never a pid, an actor id or an address."""
+    if isinstance(exc, (PostprocLost, PostprocUnreachable)):
+        return f"its postproc worker was lost ({exc})"
+    if isinstance(exc, NotAccepted):
+        return f"no {role} worker took it within {ACCEPT_TIMEOUT_S} s"
+    return f"its {role} worker was lost"
+
+
+def _cancelled(s: _Serving) -> EngineResponse:
+    """The request's end when the owner stops it between calls: every unfinished candidate is cancelled."""
     deltas = tuple(TokenDelta(o.index, (), o.cumulative_logprob or 0.0, finish_reason="cancelled")
-                   for o in result.outputs if o.finish_reason is None)
-    return EngineResponse(result.request_id, deltas, finished=True)
+                   for o in s.result.candidates if o.finish_reason is None)
+    return EngineResponse(s.result.request_id, deltas, finished=True)

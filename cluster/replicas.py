@@ -10,23 +10,32 @@ from __future__ import annotations
 import logging
 import threading
 
+import ray
 from ray import serve
 
 from cluster.directory import PERIOD_S, Directory
 from decode.worker import DecodeWorker
 from engine.engine import EngineConfig
-from engine.worker import EngineWorker
 from postproc.pipes import PipeAddr
 from prefill.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 
 
-class Membership:
-    """A background thread that keeps `worker` in the directory under `role`, meeting the replicas of `meets`."""
+_POSTPROC_CALL_S = 2.0
 
-    def __init__(self, worker: EngineWorker, role: str, meets: str | None):
-        self.worker, self.role, self.meets = worker, role, meets
+
+def postproc_addrs(postprocs: list, timeout: float = 60.0) -> list[PipeAddr]:
+    """The postproc workers' current pull pipes (a restarted worker has a new one)."""
+    return ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=timeout)
+
+
+class Membership:
+    """A background thread that keeps `worker` in the directory under `role`, meeting the replicas of `meets`, and
+    follows the postproc workers to their new pipes when Ray restarts them."""
+
+    def __init__(self, worker: DecodeWorker, role: str, meets: str | None, postprocs: list):
+        self.worker, self.role, self.meets, self.postprocs = worker, role, meets, postprocs
         replica = serve.get_replica_context().replica_id
         self.directory = Directory(replica.deployment_id.app_name)  # the replicas of this Serve application
         self.replica_id = replica.unique_id
@@ -40,6 +49,7 @@ class Membership:
     def refresh(self) -> None:
         if self.meets is not None:
             self._meet_new()
+        self._follow_postprocs()
         self._counter += 1
         refused = sum(1 for why in self._met.values() if why)
         stats = dict(self.worker.stats(), peers_met=len(self._met) - refused, peers_refused=refused)
@@ -60,6 +70,16 @@ class Membership:
             except Exception as exc:  # unreachable for now: try again next period
                 log.warning("could not meet %s replica %s yet: %s", self.meets, entry.replica_id, exc)
 
+    def _follow_postprocs(self) -> None:
+        for i, actor in enumerate(self.postprocs):
+            try:
+                addr = tuple(ray.get(actor.pull_pipe_addr.remote(), timeout=_POSTPROC_CALL_S))
+            except Exception:  # down or restarting: its requests fail fast meanwhile (PostprocSender)
+                continue
+            if addr != tuple(self.worker._postproc_addrs[i]):
+                log.warning("%s replica %s: postproc worker %d is back at a new pipe", self.role, self.replica_id, i)
+                self.worker.reconnect_postproc(i, addr)
+
     def _run(self) -> None:
         while not self._stop.wait(PERIOD_S):
             try:
@@ -76,9 +96,10 @@ class Membership:
 
 
 class PrefillReplica(PrefillWorker):
-    def __init__(self, model_dir: str, config: EngineConfig):
-        super().__init__(model_dir, config)
-        self._membership = Membership(self, "prefill", None)
+    def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
+        postprocs = list(postprocs or [])
+        super().__init__(model_dir, config, postproc_addrs(postprocs))
+        self._membership = Membership(self, "prefill", None, postprocs)
 
     def __del__(self):
         if hasattr(self, "_membership"):
@@ -86,9 +107,10 @@ class PrefillReplica(PrefillWorker):
 
 
 class DecodeReplica(DecodeWorker):
-    def __init__(self, model_dir: str, config: EngineConfig, postproc_addrs: list[PipeAddr] | None = None):
-        super().__init__(model_dir, config, postproc_addrs)
-        self._membership = Membership(self, "decode", "prefill")
+    def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
+        postprocs = list(postprocs or [])
+        super().__init__(model_dir, config, postproc_addrs(postprocs))
+        self._membership = Membership(self, "decode", "prefill", postprocs)
 
     def __del__(self):
         if hasattr(self, "_membership"):

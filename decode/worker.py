@@ -1,8 +1,14 @@
-"""The decode role: generation-only requests. A Ray actor class (plain Python until ray.remote wraps it)."""
+"""The decode role: generation-only requests (and whole ones). A Ray actor class (plain Python until Ray wraps it).
+
+Every call that serves a request streams: first `Accepted`, naming this replica's control pipe (where the owner sends
+`Abort` and `StopCandidates` for it, whatever happens to the call itself), then the request's responses. Serve gives no
+handle on one replica; the control pipe is how the owner reaches the replica that holds its request.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -11,13 +17,41 @@ import ray
 from engine.engine import EngineConfig, LLMEngine
 from engine.worker import EngineWorker
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import EngineResponse, Resume
 from llmapi.sampling_params import SamplingParams
-from postproc.pipes import PipeAddr
+from postproc.pipes import PipeAddr, PullPipe, new_pipe_key, tcp_address
 from postproc.routing import PostprocSender
 from postproc.worker import PostprocParams
 
 log = logging.getLogger(__name__)
+_CONTROL_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A replica took a request: its control pipe, for the owner's Abort and StopCandidates."""
+
+    control: PipeAddr
+
+
+@dataclass(frozen=True)
+class Done:
+    """The engine is done with a request whose tokens went through the postproc workers."""
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class StopCandidates:
+    request_id: int
+    indices: tuple[int, ...]
+
+
+class PostprocUnreachable(RuntimeError):
+    """The postproc worker of a request takes no messages; its owner resumes the request elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -30,47 +64,81 @@ class PostprocRoute:
 
 class DecodeWorker(EngineWorker):
     """Reads each request's prompt KV from its prefill worker over NIXL, then decodes with continuous batching.
-    Tokens go back either on the call itself (generate) or through the postproc workers (generate_via_postproc)."""
+    Tokens go back either on the call itself (generate) or through the postproc workers (generate_via_postproc).
+    Whole requests (no disaggregated_params) run here entirely: colocated mode, and the owner's fallback."""
 
-    def __init__(self, model_dir: str, config: EngineConfig, postproc_addrs: list[PipeAddr] | None = None):
+    def __init__(self, model_dir: str, config: EngineConfig, postproc_addrs: list[PipeAddr] | None = None,
+                 host: str | None = None):
         self._postproc_addrs = list(postproc_addrs or [])
         self._sender: PostprocSender | None = None  # engine thread only, like its pipes
         self._routed: set[int] = set()  # requests whose responses go to the postproc workers (engine thread)
         super().__init__(model_dir, config)
         self.card()  # start the KV plane now: the first request should not pay for it
+        self._control = PullPipe((tcp_address(host or _node_ip()), new_pipe_key()))
+        self._control_thread = threading.Thread(target=self._serve_control, name="raypd-control", daemon=True)
+        self._control_thread.start()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
     async def generate(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                       disaggregated_params: DisaggregatedParams | None) -> AsyncIterator[EngineResponse]:
-        """Streams the request's responses; the first tokens are not repeated (the owner has them from prefill).
-        Without disaggregated_params the whole request runs here (colocated)."""
+                       disaggregated_params: DisaggregatedParams | None, resume: Resume | None = None
+                       ) -> AsyncIterator[Accepted | EngineResponse]:
+        """Accepted, then the request's responses; the first tokens are not repeated (the owner has them from
+        prefill). Without disaggregated_params the whole request runs here (colocated)."""
         _check_generation_only(disaggregated_params)
+        yield Accepted(self._control.addr)
         async for rsp in self.stream(request_id, prompt_token_ids, params, disaggregated_params,
-                                     echo_first_tokens=False):
+                                     echo_first_tokens=False, resume=resume):
             yield rsp
 
     async def generate_via_postproc(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                                    disaggregated_params: DisaggregatedParams | None, route: PostprocRoute) -> None:
-        """Decodes; each step's tokens go to postproc worker `request_id % N`, which pushes text to the owner's
-        lane. Returns when the engine is done with the request; cancelling the call aborts it."""
+                                    disaggregated_params: DisaggregatedParams | None, route: PostprocRoute,
+                                    resume: Resume | None = None) -> AsyncIterator[Accepted | Done]:
+        """Accepted, then Done when the engine is done with the request; its tokens go to postproc worker
+        `request_id % N`, which pushes text to the owner's lane. Cancelling the call aborts the request."""
         _check_generation_only(disaggregated_params)
         if not self._postproc_addrs:
-            raise ValueError("this decode worker was started without postproc workers")
+            raise ValueError("this worker was started without postproc workers")
         if len(route.lanes) != len(self._postproc_addrs):
             raise ValueError(f"route names {len(route.lanes)} lanes for {len(self._postproc_addrs)} postproc workers")
+        yield Accepted(self._control.addr)
+        resumed = tuple((c.index, c.token_ids) for c in resume.candidates) if resume else ()
 
         def accept(engine: LLMEngine) -> None:
             self._sender = self._sender or PostprocSender(self._postproc_addrs)
             lane = route.lanes[request_id % len(route.lanes)]
-            self._sender.submit(request_id, params, PostprocParams(lane, tuple(prompt_token_ids)), route.streaming,
-                                disaggregated_params)
+            self._sender.submit(request_id, params, PostprocParams(lane, tuple(prompt_token_ids), resumed),
+                                route.streaming, disaggregated_params)
             self._routed.add(request_id)
 
         async for _ in self.stream(request_id, prompt_token_ids, params, disaggregated_params,
-                                   echo_first_tokens=False, on_accept=accept):
+                                   echo_first_tokens=False, on_accept=accept, resume=resume):
             pass
+        yield Done()
+
+    def reconnect_postproc(self, worker: int, addr: PipeAddr) -> None:
+        """A postproc worker came back with a new pipe: send its requests there from now on."""
+        self._postproc_addrs[worker] = addr
+        self.loop.post(lambda e: self._sender.reconnect(worker, addr) if self._sender else None)
+
+    # ---- control messages (their own thread; the engine's work is posted to its loop) ----
+    def _serve_control(self) -> None:
+        while True:
+            try:
+                msg = self._control.get(timeout=_CONTROL_POLL_S)
+            except TimeoutError:
+                continue
+            except RuntimeError:  # the pipe was closed: the replica is going away
+                return
+            if isinstance(msg, Abort):
+                self.abort(msg.request_id)
+            elif isinstance(msg, StopCandidates):
+                self.stop_candidates(msg.request_id, list(msg.indices))
+
+    def shutdown(self) -> None:
+        self._control.close()
+        super().shutdown()
 
     # ---- on the engine thread ----
     def _deliver(self, responses: list[EngineResponse]) -> None:
@@ -78,19 +146,19 @@ class DecodeWorker(EngineWorker):
         if routed:
             self._send(routed)
         # a routed request's caller only needs to hear that it ended
-        super()._deliver([r for r in responses if r.request_id not in self._routed or r.finished])
-        self._routed.difference_update(r.request_id for r in routed if r.finished)
+        super()._deliver([r for r in responses if r.request_id not in self._routed or r.final])
+        self._routed.difference_update(r.request_id for r in routed if r.final)
 
     def _send(self, routed: list[EngineResponse]) -> None:
-        try:
-            self._sender.send(routed)
-        except (TimeoutError, RuntimeError) as exc:  # a postproc worker is gone: fail its requests, keep serving
-            log.error("postproc workers unreachable (%s): failing %d request(s)", exc, len(routed))
-            for rsp in routed:
-                self._routed.discard(rsp.request_id)
-                self.loop.engine.abort_request(rsp.request_id)
-                self._fail(rsp.request_id, RuntimeError(f"postproc worker {rsp.request_id % len(self._postproc_addrs)} "
-                                                        f"is unreachable: {exc}"))
+        for request_id in set(self._sender.send(routed)):  # its postproc worker is gone: fail it, keep serving
+            self._routed.discard(request_id)
+            self.loop.engine.abort_request(request_id)
+            self._fail(request_id, PostprocUnreachable(
+                f"postproc worker {self._sender.worker_of(request_id)} takes no messages"))
+
+
+def _node_ip() -> str:
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def _check_generation_only(params: DisaggregatedParams | None) -> None:

@@ -18,7 +18,7 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import EngineResponse, Resume
 from llmapi.sampling_params import SamplingParams
 
 
@@ -94,12 +94,13 @@ class LLMEngine:
     # ---- requests in and out ----
     def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                     disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True,
-                    mm_items: tuple[MultimodalItem, ...] = ()) -> None:
+                    mm_items: tuple[MultimodalItem, ...] = (), resume: Resume | None = None) -> None:
         """Queues a request; raises ValueError naming what is wrong with it.
 
         context_only: prefill, sample the first token of each candidate, then end with a Handoff (the prompt's blocks
         held under a lease). generation_only: read those blocks and decode; the first tokens are emitted again
-        unless echo_first_tokens is False (an owner that already streamed them).
+        unless echo_first_tokens is False (an owner that already streamed them). resume: continue the given
+        candidates from their tokens so far (computed here again; only new tokens are emitted).
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already in use")
@@ -111,8 +112,28 @@ class LLMEngine:
             self._attach_kv_source(req, disaggregated_params)
         elif kind == "context_only":
             self.connector.card()  # fails now, not after the prefill, if this engine cannot hand KV over
+        if resume is not None:
+            self._resume(req, resume)
+            return
         self.requests[request_id] = req
         self.scheduler.add(self.output.new_seq(req, 0, list(prompt_token_ids)))
+
+    def _resume(self, req: EngineRequest, resume: Resume) -> None:
+        params = req.sampling_params
+        if req.kind != REQUEST_KINDS[0]:
+            raise ValueError(f"a resumed request is served whole, not {req.kind}")
+        for c in resume.candidates:
+            if not 0 <= c.index < params.num_candidates or len(c.token_ids) >= params.max_tokens:
+                raise ValueError(f"resumed candidate {c.index}: index out of range [0, {params.num_candidates}) "
+                                 f"or {len(c.token_ids)} tokens already (max_tokens {params.max_tokens})")
+            if any(not 0 <= t < self.spec.vocab_size for t in c.token_ids):
+                raise ValueError(f"resumed candidate {c.index}: token ids out of range [0, {self.spec.vocab_size})")
+        req.forked = True
+        self.requests[req.request_id] = req
+        for c in resume.candidates:
+            seq = self.output.new_seq(req, c.index, req.prompt_token_ids + list(c.token_ids))
+            seq.cumulative_logprob = c.cumulative_logprob
+            self.scheduler.add(seq)
 
     def _attach_kv_source(self, req: EngineRequest, params: DisaggregatedParams) -> None:
         params.validate()

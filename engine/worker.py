@@ -12,7 +12,7 @@ from engine.engine import EngineConfig, LLMEngine, nixl_connector
 from engine.kv_connector import EngineCard
 from engine.loop import EngineLoop
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import EngineResponse, Resume
 from llmapi.sampling_params import SamplingParams
 
 _ACCEPT_TIMEOUT_S = 60.0
@@ -66,7 +66,8 @@ class EngineWorker:
 
     async def stream(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                      disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True,
-                     on_accept: Callable[[LLMEngine], None] | None = None) -> AsyncIterator[EngineResponse]:
+                     on_accept: Callable[[LLMEngine], None] | None = None, resume: Resume | None = None
+                     ) -> AsyncIterator[EngineResponse]:
         """Submits a request and yields its responses until the final one. Raises the engine's ValueError.
         on_accept runs on the engine thread right after the engine took the request."""
         self._aloop = asyncio.get_running_loop()
@@ -74,7 +75,8 @@ class EngineWorker:
         self._streams[request_id] = stream
 
         def add(e: LLMEngine) -> None:
-            e.add_request(request_id, prompt_token_ids, params, disaggregated_params, echo_first_tokens)
+            e.add_request(request_id, prompt_token_ids, params, disaggregated_params, echo_first_tokens,
+                          resume=resume)
             if on_accept is not None:
                 on_accept(e)
         finished = False

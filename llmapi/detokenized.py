@@ -30,11 +30,12 @@ class DetokenizedGenerationResultBase:
         self._done = [False] * p.num_candidates
         self.finished = False
 
-    def prime(self, first_tokens: list[int]) -> None:
-        """Feeds each candidate's first token without reporting it: its text was delivered elsewhere (the prefill
-        side's response), but an unfinished character or a stop string may continue into the next tokens."""
-        for text, token in zip(self._texts, first_tokens):
-            text.add([token])
+    def prime(self, tokens: dict[int, list[int]]) -> None:
+        """Feeds candidates tokens without reporting them: their text was delivered elsewhere (the prefill side's
+        first token; a lost worker's output), but an unfinished character or a stop string may continue into the
+        next tokens. tokens: candidate index -> its token ids so far."""
+        for index, ids in tokens.items():
+            self._texts[index].add(list(ids))
 
     def handle(self, rsp: EngineResponse) -> tuple[ResultDelta | None, list[int]]:
         if self.finished:

@@ -109,6 +109,28 @@ class Handoff:
 
 
 @dataclass(frozen=True)
+class ResumedCandidate:
+    """A candidate as far as it got elsewhere: its generated tokens and their cumulative logprob."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Continue a request from its candidates' tokens so far (its worker was lost). Draws depend only on (seed,
+    candidate, position), so any engine continues a greedy or seeded candidate exactly."""
+
+    candidates: tuple[ResumedCandidate, ...]
+
+    def __post_init__(self) -> None:
+        indices = [c.index for c in self.candidates]
+        if not indices or len(set(indices)) != len(indices):
+            raise ValueError(f"Resume needs distinct candidates, got indices {indices}")
+
+
+@dataclass(frozen=True)
 class EngineResponse:
     """What an engine emits for one request in one step (the `rsp` a post-processor receives).
 

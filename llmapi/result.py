@@ -91,6 +91,11 @@ class GenerationResult:
         return best
 
     @property
+    def candidates(self) -> list[CompletionOutput]:
+        """Every candidate generated (best_of of them), before the n best are chosen."""
+        return self._candidates
+
+    @property
     def finished(self) -> bool:
         return self._done
 

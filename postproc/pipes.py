@@ -141,6 +141,10 @@ class _Pipe:
             s.setsockopt(zmq.IPV6, 1)
         if socket_type == zmq.PULL:
             s.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG_BYTES)
+        else:
+            # Queue only on a live connection: a push to a peer that is gone (or not up yet) waits for one, and
+            # put()'s timeout turns that into an error, instead of messages piling up for a peer that never returns.
+            s.setsockopt(zmq.IMMEDIATE, 1)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -232,7 +236,7 @@ class PullPipe(_Pipe):
 
 
 class PushPipe(_Pipe):
-    """Sending end. Connects by default; a connected push queues (up to HWM) until its peer is up."""
+    """Sending end. Connects by default; messages queue (up to HWM) only while a connection to the peer is up."""
 
     def __init__(self, addr: PipeAddr, bind: bool = False):
         super().__init__(addr, bind, zmq.PUSH)

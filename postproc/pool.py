@@ -111,8 +111,15 @@ class PostprocPool:
         self._sender.submit(request_id, result.sampling_params, params, result.streaming, result.disaggregated_params)
 
     def send(self, responses: list[EngineResponse]) -> None:
-        if responses:
-            self._sender.send(responses)
+        if not responses:
+            return
+        for request_id in self._sender.send(responses):  # their worker is gone: they cannot finish
+            with self._lock:
+                result = self._results.pop(request_id, None)
+            if result is not None:
+                result.put(RuntimeError(f"postproc worker {request_id % self._sender.num_workers} takes no "
+                                        "messages: the request cannot finish"))
+                self._abort(request_id)
 
     def fail_all(self, exc: BaseException) -> None:
         with self._lock:

@@ -20,7 +20,7 @@ from postproc.worker import PostprocParams, PostprocWorker, Shutdown
 
 logger = logging.getLogger(__name__)
 
-_SEND_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 1.0  # a live worker takes a step's message at once; longer means it is gone
 _LANE_POLL_S = 0.1
 _TICK_EVERY_S = 0.5
 
@@ -29,12 +29,18 @@ Output = PostprocWorker.Output
 
 
 class PostprocSender:
-    """Engine side. Belongs to one thread (the engine loop's), like the pipes it holds."""
+    """Engine side. Belongs to one thread (the engine loop's), like the pipes it holds.
+
+    A worker that takes no message within SEND_TIMEOUT_S is marked down: its requests fail at once (their owners
+    resume them elsewhere) until reconnect() gives it a new address (a restarted worker binds a new pipe).
+    """
 
     def __init__(self, worker_addrs: list[PipeAddr]):
         if not worker_addrs:
             raise ValueError("PostprocSender needs at least one postproc worker address")
+        self._addrs = list(worker_addrs)
         self._pipes = [PushPipe(addr) for addr in worker_addrs]
+        self._down: set[int] = set()
         self._first: dict[int, tuple] = {}  # request_id -> what its first Input carries besides rsp
 
     @property
@@ -44,20 +50,41 @@ class PostprocSender:
     def worker_of(self, request_id: int) -> int:
         return request_id % len(self._pipes)
 
+    def is_down(self, worker: int) -> bool:
+        return worker in self._down
+
+    def reconnect(self, worker: int, addr: PipeAddr) -> None:
+        """Points worker's pipe at addr (a restarted worker's new pipe); it is up again."""
+        if tuple(addr) == tuple(self._addrs[worker]) and worker not in self._down:
+            return
+        self._pipes[worker].close()
+        self._addrs[worker], self._pipes[worker] = addr, PushPipe(addr)
+        self._down.discard(worker)
+
     def submit(self, request_id: int, sampling_params: SamplingParams, postproc_params: PostprocParams,
                streaming: bool = False, disaggregated_params: Any = None) -> None:
         """Remembers a request's parameters until its first response is sent. Call once the engine accepted it."""
         self._first[request_id] = (sampling_params, postproc_params, disaggregated_params, streaming)
 
-    def send(self, responses: list[EngineResponse]) -> None:
-        """Sends one step's responses: one message per worker that has any."""
+    def send(self, responses: list[EngineResponse]) -> list[int]:
+        """Sends one step's responses, one message per worker that has any; returns the request ids whose worker
+        is down (nothing of theirs was sent)."""
         by_worker: dict[int, list[Input | EngineResponse]] = {}
         for rsp in responses:
             first = self._first.pop(rsp.request_id, None)
             inp = rsp if first is None else Input(rsp, *first)
             by_worker.setdefault(rsp.request_id % len(self._pipes), []).append(inp)
+        failed = []
         for worker, inputs in by_worker.items():
-            self._pipes[worker].put(inputs, timeout=_SEND_TIMEOUT_S)
+            if worker not in self._down:
+                try:
+                    self._pipes[worker].put(inputs, timeout=SEND_TIMEOUT_S)
+                    continue
+                except TimeoutError as exc:
+                    logger.error("postproc worker %d takes no messages (%s): marked down", worker, exc)
+                    self._down.add(worker)
+            failed += [i.request_id if type(i) is EngineResponse else i.rsp.request_id for i in inputs]
+        return failed
 
     def shutdown_workers(self) -> None:
         """Asks every worker to stop after what it has queued; errors are logged, so shutdown never stops halfway."""

@@ -37,6 +37,7 @@ class PostprocParams:
 
     lane: int = 0  # index into the worker's push_pipe_addrs: the lane of the frontend that owns the request
     prompt_token_ids: tuple[int, ...] = ()  # context for non-byte-level detokenizers (SentencePiece)
+    resumed: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (candidate, tokens so far) of a resumed request
 
     def __post_init__(self) -> None:
         if not isinstance(self.lane, int) or self.lane < 0:
@@ -115,7 +116,9 @@ class PostprocWorker:
         dp = inp.disaggregated_params
         if dp is not None and dp.request_type == "generation_only" and dp.first_gen_tokens:
             # The owner streamed the first tokens from the prefill side; they still shape the text that follows.
-            record.prime(dp.first_gen_tokens)
+            record.prime({k: [t] for k, t in enumerate(dp.first_gen_tokens)})
+        if inp.postproc_params and inp.postproc_params.resumed:
+            record.prime({k: list(ids) for k, ids in inp.postproc_params.resumed})  # the owner has this text
         return record
 
     @property

@@ -131,3 +131,30 @@ def test_bad_requests_are_refused_with_the_reason(tiny_llama):
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request(3, [5] * 30, SamplingParams(max_tokens=10))
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=7, n=2, ignore_eos=True, logprobs=1),
+], ids=["greedy", "seeded-n2"])
+def test_a_resumed_request_continues_exactly(tiny_llama, params):
+    """A lost worker's request, resumed on another engine from its candidates' tokens so far, goes on with the
+    tokens it would have produced."""
+    from llmapi.outputs import Resume, ResumedCandidate
+
+    prompt = prompts(1, 12, 12, seed=8)[0]
+    whole = run(LLMEngine(tiny_llama, EngineConfig(block_size=4)), {0: [(0, prompt, params)]})[0]
+    engine = LLMEngine(tiny_llama, EngineConfig(block_size=4))
+    so_far = {k: tokens[:5] for k, (tokens, _) in whole.items()}
+    lps = {k: sum(entry[t].logprob for t, entry in zip(tokens[:5], lp)) if lp else 0.0
+           for k, (tokens, lp) in whole.items()}
+    resume = Resume(tuple(ResumedCandidate(k, tuple(t), lps[k]) for k, t in so_far.items()))
+    engine.add_request(1, prompt, params, resume=resume)
+    got = {}
+    while engine.has_unfinished_requests():
+        for rsp in engine.step():
+            for d in rsp.deltas:
+                got.setdefault(d.index, []).extend(d.token_ids)
+    assert {k: so_far[k] + got[k] for k in got} == {k: tokens for k, (tokens, _) in whole.items()}
+    with pytest.raises(ValueError, match="resumed candidate"):
+        engine.add_request(2, prompt, params, resume=Resume((ResumedCandidate(5, (1,)),)))

@@ -1,0 +1,80 @@
+"""The owner's lane on the postproc workers, kept registered while Ray restarts them.
+
+Postproc workers push each request's outputs to the lane of the owner that holds it. A worker that dies takes its
+lane registration (and its pipe) with it; Ray restarts it with a new pipe. OwnerLanes polls every worker: one that
+does not answer or answers with a new pipe is lost — the owner resumes its requests without it — and once it answers
+again this lane is registered with the new instance. While any worker is down, new requests skip the postproc path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import ray
+
+from decode.worker import PostprocRoute
+from postproc.pipes import PipeAddr
+from postproc.routing import Lane, Output
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+_CALL_S = 1.0
+_START_S = 60.0
+
+
+class OwnerLanes:
+    def __init__(self, postprocs: list, on_output: Callable[[Output], None], loop: asyncio.AbstractEventLoop,
+                 host: str):
+        self.postprocs = list(postprocs)
+        self.lane = Lane(lambda out: loop.call_soon_threadsafe(on_output, out), host=host)
+        addrs = ray.get([p.pull_pipe_addr.remote() for p in self.postprocs], timeout=_START_S)
+        self._addrs: list[PipeAddr] = [tuple(a) for a in addrs]  # each worker instance's pipe: its identity
+        self._lanes: list[int | None] = ray.get([p.add_lane.remote(self.lane.addr) for p in self.postprocs],
+                                                timeout=_START_S)
+        self.down: dict[int, str] = {}  # worker -> why it is down
+
+    def route(self, streaming: bool) -> PostprocRoute | None:
+        if self.down:
+            return None
+        return PostprocRoute(tuple(self._lanes), streaming)
+
+    def health(self) -> str | None:
+        """None when every postproc worker is up, else which are not."""
+        if not self.down:
+            return None
+        return "; ".join(f"postproc worker {i} is {why}" for i, why in sorted(self.down.items()))
+
+    async def watch(self, on_lost: Callable[[int, int, str], None]) -> None:
+        """Runs until cancelled: on_lost(worker, count, why) for each worker lost."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            for i in range(len(self.postprocs)):
+                try:
+                    await self._check(i, on_lost)
+                except Exception:  # never let one bad poll end the watch
+                    log.exception("checking postproc worker %d failed", i)
+
+    async def _check(self, i: int, on_lost) -> None:
+        actor, n = self.postprocs[i], len(self.postprocs)
+        try:
+            addr = tuple(await asyncio.wait_for(actor.pull_pipe_addr.remote(), _CALL_S))
+        except Exception:
+            if i not in self.down:
+                self.down[i] = "not answering (restarting?)"
+                log.warning("postproc worker %d is not answering: its requests are resumed without it", i)
+                on_lost(i, n, "not answering")
+            return
+        if addr == self._addrs[i] and i not in self.down:
+            return
+        if addr != self._addrs[i] and i not in self.down:
+            on_lost(i, n, "restarted")
+        self._lanes[i] = await asyncio.wait_for(actor.add_lane.remote(self.lane.addr), _CALL_S * 5)
+        self._addrs[i] = addr
+        self.down.pop(i, None)
+        log.warning("postproc worker %d is back", i)
+
+    def close(self) -> None:
+        self.lane.close()
