@@ -159,7 +159,7 @@ def demo(fleet: nodes.Fleet, step) -> None:
         wait_for("both workers joined with their role resources", JOIN_TIMEOUT_S, nodes_joined)
     with step("ray exec: ray status, raypd validate, raypd serve --detach"):
         status = wait_for("`ray status` lists the prefill and decode resources", 60, laptop.status_with_roles)
-        print("\n".join(line for line in status.splitlines() if re.search(r"\d (CPU|prefill|decode)$", line)))
+        print("\n".join(line for line in status.splitlines() if re.search(r"\d (CPU|prefill|decode)\s*$", line)))
         local = files.write_yaml(laptop.dir / "serve.yaml", files.serve_config(1))
         laptop.ray_cli("rsync-up", str(laptop.cluster), str(local), f"~/raypd/{files.SERVE_CONFIG}")
         print(laptop.exec_on_head(f"cd ~/raypd && RAYPD_API_KEY={API_KEY} raypd validate {files.SERVE_CONFIG}")
@@ -180,8 +180,9 @@ def demo(fleet: nodes.Fleet, step) -> None:
         check_completion(client)
         old = {a for r in before.values() for a, _ in r}
         kept = sum(a in old for r in after.values() for a, _ in r)
-        # Not an error: `raypd serve` redeploys through serve.run, to which Serve gives a new code version each time.
-        print(f"the rescale kept {kept} of the {len(old)} replicas it found (the others were replaced one by one)")
+        # Not an error: `raypd serve` redeploys through serve.run, to which Serve gives a new code version each time,
+        # so it replaces every replica in turn (configs/cluster/README.md says how to rescale in place instead).
+        print(f"the rescale kept {kept} of the {len(old)} replicas it found; Serve replaced the others one at a time")
     with step("ray down, and `ray stop` on each worker (the local provider's ray down stops the head only)"):
         laptop.ray_cli("down", str(laptop.cluster), "-y")
         for node in (files.PREFILL, files.DECODE):
