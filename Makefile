@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= models/tiny-llama
 
-.PHONY: test serve demo bench install clean
+.PHONY: test serve demo bench install clean cluster-demo
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ serve: $(BIN)/.installed $(MODEL)/config.json
 # The embedded engine, no Ray: prints a streamed completion.
 demo: $(BIN)/.installed $(MODEL)/config.json
 	$(BIN)/python -m llmapi.demo --model $(MODEL)
+
+# `ray up` for real: three network namespaces of this machine as head, prefill and decode nodes (root; installs sshd
+# and rsync with apt-get if missing), configs/cluster/local.yaml, deploy, a completion, rescale, `ray down`.
+cluster-demo: $(BIN)/.installed
+	$(BIN)/python scripts/cluster_demo
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m engine.bench

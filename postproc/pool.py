@@ -8,48 +8,83 @@ every open request fails with its name and is aborted in the engine (`abort`), a
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
 import os
+import pathlib
+import subprocess
+import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Callable
-
-import zmq.asyncio
 
 from llmapi.outputs import EngineResponse
 from llmapi.result import GenerationResult
 from postproc.pipes import PipeAddr, new_pipe_key, tcp_address
 from postproc.routing import Lane, Output, PostprocSender
-from postproc.worker import PostprocParams, PostprocWorker
+from postproc.worker import PostprocParams
+from postproc.worker_main import decode_addr, encode_addr
 
 logger = logging.getLogger(__name__)
 
-_START_TIMEOUT_S = 120.0  # a spawned interpreter imports transformers: seconds on a busy 2-core host
+_START_TIMEOUT_S = 120.0  # a new interpreter imports transformers: seconds on a busy 2-core host
 _STOP_TIMEOUT_S = 10.0
 
 StopCandidates = Callable[[int, tuple[int, ...]], None]
 Abort = Callable[[int], None]
 
 
-def _run_worker(pull_addr: PipeAddr, lane_addr: PipeAddr, tokenizer_dir: str, hook: str | None, conn) -> None:
-    """A worker process: binds, reports its pull address (or why it could not start), then serves until Shutdown."""
-    try:
-        worker = PostprocWorker(pull_addr, [lane_addr], tokenizer_dir, None, hook)
-    except BaseException as exc:
-        conn.send(f"{type(exc).__name__}: {exc}")
-        raise
-    conn.send(worker.pull_pipe_addr)
-    conn.close()
-    worker.start()
-    # Outputs still queued reach their lane (up to the pipes' linger), then skip the interpreter's teardown: with
-    # torch imported (by transformers) it takes seconds, and nothing here needs it.
-    zmq.asyncio.Context.instance().term()
-    os._exit(0)
+class WorkerProcess:
+    """One worker process, `python -m postproc.worker_main`, with the part of multiprocessing.Process's interface
+    the pool uses. Its stdin stays open for its lifetime: the worker exits when it closes, so it never outlives us."""
+
+    def __init__(self, name: str, settings: dict):
+        self.name = name
+        reply_r, reply_w = os.pipe()
+        package_root = str(pathlib.Path(__file__).resolve().parents[1])  # -m finds this very copy of postproc
+        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "postproc.worker_main", str(reply_w)],
+                                          stdin=subprocess.PIPE, pass_fds=(reply_w,), env=env)
+        finally:
+            os.close(reply_w)
+        self.reply = Connection(reply_r, writable=False)
+        self._proc.stdin.write(json.dumps(settings).encode() + b"\n")
+        self._proc.stdin.flush()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.poll()
+
+    def is_alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def join(self, timeout: float) -> None:
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def close(self) -> None:
+        """After it exited (or was killed): frees the pipes."""
+        self.reply.close()
+        self._proc.stdin.close()
 
 
 class PostprocPool:
-    """N worker processes (spawned, each running PostprocWorker.start()), their sender and the LLM's lane."""
+    """N worker processes (each `python -m postproc.worker_main`), their sender and the LLM's lane."""
 
     def __init__(self, tokenizer_dir: str, num_workers: int, stop_candidates: StopCandidates, abort: Abort,
                  post_processor_hook: str | None = None):
@@ -62,7 +97,7 @@ class PostprocPool:
         self._broken: BaseException | None = None
         self._closing = False
         self._lane = Lane(self._on_output, on_tick=self._check_workers, name="raypd-postproc-lane")
-        self._procs: list[multiprocessing.Process] = []
+        self._procs: list[WorkerProcess] = []
         try:
             addrs = self._spawn(tokenizer_dir, num_workers, post_processor_hook)
             self._sender = PostprocSender(addrs)
@@ -74,29 +109,27 @@ class PostprocPool:
             raise
 
     def _spawn(self, tokenizer_dir: str, n: int, hook: str | None) -> list[PipeAddr]:
-        ctx = multiprocessing.get_context("spawn")  # fork would copy the engine thread's state and locks
-        conns = []
+        # New interpreters, not fork (which would copy the engine thread's state and locks) nor multiprocessing's
+        # spawn (which re-imports the caller's __main__): see postproc.worker_main.
         for i in range(n):
-            parent, child = ctx.Pipe(duplex=False)
-            args = ((tcp_address("127.0.0.1"), new_pipe_key()), self._lane.addr, tokenizer_dir, hook, child)
-            proc = ctx.Process(target=_run_worker, args=args, name=f"raypd-postproc-{i}", daemon=True)
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            conns.append(parent)
+            settings = {"pull_addr": encode_addr((tcp_address("127.0.0.1"), new_pipe_key())),
+                        "lane_addr": encode_addr(self._lane.addr), "tokenizer_dir": tokenizer_dir, "hook": hook,
+                        "sys_path": [str(p) for p in sys.path]}
+            self._procs.append(WorkerProcess(f"raypd-postproc-{i}", settings))
         deadline = time.monotonic() + _START_TIMEOUT_S
-        return [self._started(i, conn, deadline) for i, conn in enumerate(conns)]
+        return [self._started(i, proc, deadline) for i, proc in enumerate(self._procs)]
 
-    def _started(self, i: int, conn, deadline: float) -> PipeAddr:
-        if not conn.poll(max(0.0, deadline - time.monotonic())):
+    def _started(self, i: int, proc: WorkerProcess, deadline: float) -> PipeAddr:
+        if not proc.reply.poll(max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"postproc worker {i} did not start within {_START_TIMEOUT_S:.0f} s")
         try:
-            reply = conn.recv()
+            reply = json.loads(proc.reply.recv_bytes())
         except EOFError:
-            raise RuntimeError(f"postproc worker {i} exited while starting (code {self._procs[i].exitcode})") from None
-        if isinstance(reply, str):
-            raise RuntimeError(f"postproc worker {i} failed to start: {reply}")
-        return reply
+            proc.join(1.0)
+            raise RuntimeError(f"postproc worker {i} exited while starting (code {proc.exitcode})") from None
+        if "error" in reply:
+            raise RuntimeError(f"postproc worker {i} failed to start: {reply['error']}")
+        return decode_addr(reply["pull_addr"])
 
     # ---- engine thread ----
     def submit(self, request_id: int, result: GenerationResult) -> None:
@@ -144,6 +177,7 @@ class PostprocPool:
                 logger.warning("postproc worker %s did not stop in time: terminating it", proc.name)
                 proc.terminate()
                 proc.join(2.0)
+            proc.close()
 
     # ---- lane thread ----
     def _on_output(self, out: Output) -> None:

@@ -1,0 +1,188 @@
+"""`serve run configs/serve.yaml`, the file as it is, in a real Ray of its own: the OpenAI API through the real
+`openai` client, the Grafana dashboard's series in its /metrics, an in-place rescale with `serve deploy`, and Ctrl-C
+stopping everything it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from ray.util import state
+
+from engine.tiny import build_tiny_model
+from llmapi import LLM, SamplingParams
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SERVE_CONFIG = REPO / "configs" / "serve.yaml"
+DASHBOARD = REPO / "configs" / "grafana" / "raypd-dashboard.json"
+START_TIMEOUT_S = 240.0  # a fresh Ray, its dashboard and four replicas, on a shared 2-core host
+DASHBOARD_API = "http://127.0.0.1:8265"  # Ray's default dashboard port: what `serve deploy` talks to
+
+
+def _bin(name: str) -> str:
+    return shutil.which(name, path=os.path.dirname(sys.executable)) or name
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _processes_in(directory: pathlib.Path) -> list[int]:
+    """Processes whose working directory is `directory`: serve run, and every Ray process it started."""
+    pids = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            if pathlib.Path(os.readlink(proc / "cwd")) == directory:
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+def _stop(proc: subprocess.Popen, workdir: pathlib.Path, timeout: float = 60.0) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to serve run's process group
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`serve run configs/serve.yaml` from a directory laid out as the repo root after `make serve`."""
+    work = tmp_path_factory.mktemp("serve-config").resolve()
+    (work / "configs").mkdir()
+    for name in ("serve.yaml", "local.yaml"):
+        shutil.copy(REPO / "configs" / name, work / "configs" / name)
+    build_tiny_model(work / "models" / "tiny-llama")  # what `make serve` builds; the name clients ask for
+    port = yaml.safe_load(SERVE_CONFIG.read_text())["http_options"]["port"]
+    for busy in (port, 8265):
+        assert _port_free(busy), f"port {busy} is in use: configs/serve.yaml's endpoint and Ray's dashboard need it"
+    # RAY_ADDRESS=local: a Ray of its own even while the session's test cluster runs.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    log = open(work / "serve-run.log", "wb")
+    proc = subprocess.Popen([_bin("serve"), "run", "configs/serve.yaml"], cwd=work, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _healthy(base):
+            assert proc.poll() is None, f"serve run exited: {(work / 'serve-run.log').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"not healthy in time: {(work / 'serve-run.log').read_text()[-3000:]}"
+            time.sleep(1.0)
+        yield {"base": base, "proc": proc, "work": work, "env": env}
+    finally:
+        _stop(proc, work)
+        for pid in _processes_in(work):  # anything serve run failed to stop: the test below reports it
+            os.kill(pid, signal.SIGKILL)
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served['base']}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def test_serves_the_openai_api(served, client):
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    got = client.completions.create(model="tiny-llama", prompt="The quick brown", max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    with LLM(str(served["work"] / "models" / "tiny-llama")) as reference:  # greedy: the same tokens in any engine
+        ref = reference.generate("The quick brown", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert got.choices[0].text == ref.outputs[0].text and got.usage.completion_tokens == 10
+    messages = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0)
+    parts = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0,
+                                           stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == whole.choices[0].message.content
+
+
+# ---- the Grafana dashboard ----
+def _queries(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def test_dashboard_is_importable_grafana_json():
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and dashboard["uid"] == "raypd"
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource"]
+    for p in dashboard["panels"]:
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"} and p["targets"], p["title"]
+        assert all(t["datasource"] == p["datasource"] and t["expr"] for t in p["targets"]), p["title"]
+
+
+def test_every_series_the_dashboard_queries_is_in_metrics(served, client):
+    client.completions.create(model="tiny-llama", prompt="metrics", max_tokens=4)
+    text = httpx.get(f"{served['base']}/metrics", timeout=30).text
+    samples = [(s.name, s.labels) for family in text_string_to_metric_families(text) for s in family.samples]
+    missing = []
+    for expr in _queries(json.loads(DASHBOARD.read_text())):
+        grouped = {label.strip() for group in re.findall(r"\bby \(([^)]*)\)", expr) for label in group.split(",")}
+        grouped -= {"le"}  # a histogram's bucket label
+        for name, matchers in re.findall(r"(raypd_\w+)(\{[^}]*\})?", expr):
+            wanted = dict(re.findall(r'(\w+)="([^"]*)"', matchers))
+            if not any(n == name and wanted.items() <= labels.items() and grouped <= labels.keys()
+                       for n, labels in samples):
+                missing.append(f"{name}{matchers} (by {sorted(grouped)})")
+    assert missing == [], f"queried by the dashboard, absent from /metrics: {missing}"
+
+
+# ---- rescale and stop ----
+def _replicas() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for actor in state.list_actors(DASHBOARD_API, filters=[("state", "=", "ALIVE")], timeout=30):
+        if actor.class_name.startswith("ServeReplica:raypd:"):
+            out.setdefault(actor.class_name.rsplit(":", 1)[1], set()).add(actor.actor_id)
+    return out
+
+
+def test_serve_deploy_rescales_decode_in_place(served, client):
+    before = _replicas()
+    assert {role: len(ids) for role, ids in before.items()} == {"prefill": 1, "decode": 1, "ingress": 1}
+    config = yaml.safe_load(SERVE_CONFIG.read_text())
+    config["applications"][0]["deployments"] = [{"name": "decode", "num_replicas": 2}]
+    (served["work"] / "rescaled.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in served["env"].items() if k != "RAY_ADDRESS"}
+    subprocess.run([_bin("serve"), "deploy", "rescaled.yaml", "--address", DASHBOARD_API], cwd=served["work"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while len((after := _replicas()).get("decode", ())) < 2:
+        assert time.monotonic() < deadline, f"decode did not reach 2 replicas: {after}"
+        time.sleep(1.0)
+    # Same application code and args: Serve only applies the new count, every replica it had is still there.
+    assert all(before[role] <= after[role] for role in before) and after["prefill"] == before["prefill"]
+    assert client.completions.create(model="tiny-llama", prompt="after", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_ctrl_c_stops_everything_serve_run_started(served):
+    _stop(served["proc"], served["work"])
+    assert served["proc"].returncode == 0
+    deadline = time.monotonic() + 30
+    while _processes_in(served["work"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_in(served["work"]) == []
+    assert _port_free(int(served["base"].rsplit(":", 1)[1]))
