@@ -43,7 +43,11 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     extra = {"request_router_config": routing} if routing is not None else {}
     prefill = serve.deployment(PrefillReplica, name="prefill").options(**config.prefill.deployment_options(), **extra)
     decode = serve.deployment(DecodeReplica, name="decode").options(**config.decode.deployment_options(), **extra)
-    ingress = Ingress.options(name="ingress", **config.ingress.deployment_options())
+    ingress_options = config.ingress.deployment_options()
+    if "max_ongoing_requests" not in config.ingress.model_fields_set:
+        # The ingress sheds load itself (429 at once): Serve must hand it every request, and /health, without a queue.
+        ingress_options["max_ongoing_requests"] = config.limits.max_requests_in_flight + 1024
+    ingress = Ingress.options(name="ingress", **ingress_options)
     # The key is read here, where the config was loaded: an api_key_env variable need not exist on replica nodes.
     # Roles' scaling is left out of the ingress's arguments: a redeploy that only rescales then changes no replica's
     # arguments, and Serve adds or removes replicas without restarting the others.

@@ -8,8 +8,10 @@ import argparse
 import dataclasses
 import json
 import math
+import signal
 import sys
 import threading
+import time
 
 from pydantic import ByteSize
 
@@ -106,22 +108,53 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app import build_from_config
+    from cluster.directory import Directory
+    from cluster.ingress import DRAINING_KEY
 
+    # Replica warnings (re-prefills, lease expiries, transfer timeouts, dropped messages) reach this console;
+    # Serve's own chatter (access logs, info) does not.
     ray.init(address=args.address, include_dashboard=False if args.address is None else None,
-             namespace="raypd", log_to_driver=False)
-    serve.start(http_options={"host": config.http.host, "port": config.http.port})
-    serve.run(build_from_config(config), name="raypd", route_prefix="/", blocking=False)
+             namespace="raypd", log_to_driver=True, logging_level="WARNING")
+    quiet = {"log_level": "WARNING", "enable_access_log": False}
+    serve.start(http_options={"host": config.http.host, "port": config.http.port}, logging_config=quiet)
+    directory = Directory(_APP)
+    directory.set_flag(DRAINING_KEY + _APP.encode(), False)  # a drain an earlier run left behind
+    serve.run(build_from_config(config), name=_APP, route_prefix="/", blocking=False, logging_config=quiet)
     print(f"raypd: serving {config.model_name!r} at http://{config.http.host}:{config.http.port}/v1", flush=True)
     if args.detach:
         return 0
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        print("raypd: stopping", flush=True)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # replaces Ray's handler, which would abort without draining
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    _drain(directory, config.shutdown_grace_s)
+    serve.shutdown()
+    ray.shutdown()
+    print("raypd: stopped", flush=True)
     return 0
+
+
+_APP = "raypd"
+
+
+def _drain(directory, grace_s: float) -> None:
+    """Stops accepting (every ingress replica answers 503 within a second) and waits, at most grace_s, until no
+    request is in flight."""
+    from cluster.ingress import DRAINING_KEY
+
+    print(f"raypd: stopping: new requests get 503; waiting up to {grace_s:.0f} s for those in flight", flush=True)
+    directory.set_flag(DRAINING_KEY + _APP.encode())
+    deadline = time.monotonic() + grace_s
+    time.sleep(min(grace_s, 1.5))  # every ingress replica has seen the flag and published its count since
+    left = None
+    while time.monotonic() < deadline:
+        left = sum(int(e.stats.get("in_flight", 0)) for e in directory.entries("ingress"))
+        if left == 0:
+            break
+        time.sleep(0.2)
+    if left:
+        print(f"raypd: {left} request(s) still in flight after {grace_s:.0f} s: they are cut off", flush=True)
+    directory.set_flag(DRAINING_KEY + _APP.encode(), False)
 
 
 SUBCOMMANDS = (_add_config_schema, _add_validate, _add_serve, _add_bench)

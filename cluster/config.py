@@ -159,6 +159,27 @@ class HttpSettings(_Strict):
         return os.environ[self.api_key_env] if self.api_key_env else None
 
 
+class LimitsSettings(_Strict):
+    """What one ingress replica takes on before it sheds load, and what one request may ask for."""
+
+    max_requests_in_flight: int = Field(128, ge=1, description="Requests one ingress replica serves at once; beyond "
+                                        "it a new request is answered 429 (503 while a role is down) at once.")
+    max_tokens_in_flight: int = Field(131072, ge=1, description="Prompt tokens + max_tokens x n of the requests in "
+                                      "flight on one ingress replica; beyond it: 429.")
+    max_body_bytes: ByteSize = Field(ByteSize(32 << 20), description="Largest request body, checked before it is "
+                                     "parsed (413 beyond it).")
+    max_prompts_per_request: int = Field(64, ge=1, description="Prompts in one completions request.")
+    max_messages_per_request: int = Field(1024, ge=1, description="Messages in one chat request.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a shed request, in seconds.")
+
+    @field_validator("max_body_bytes")
+    @classmethod
+    def _positive(cls, value: ByteSize) -> ByteSize:
+        if value < 1024:
+            raise ValueError(f"must be at least 1KiB, got {value}")
+        return value
+
+
 class RaypdConfig(_Strict):
     """One raypd deployment: the model, its engines, each role's scaling and placement, routing and the endpoint."""
 
@@ -185,6 +206,10 @@ class RaypdConfig(_Strict):
     post_processor_hook: str | None = Field(None, description="Import path `module.Class` of a postproc.hooks."
                                             "PostProcessorHook that every postproc worker builds once and runs on "
                                             "every chunk (emit, suppress or terminate); it must import on every node.")
+    limits: LimitsSettings = Field(default_factory=LimitsSettings, description="Admission control and request "
+                                   "size limits of each ingress replica.")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM or Ctrl-C, `raypd serve` stops accepting "
+                                    "and lets requests in flight finish for this long before it stops Serve and Ray.")
     request_timeout_s: float = Field(300.0, gt=0, description="Total budget of one request, from arrival to its "
                                                               "last token; past it the client gets an error.")
 

@@ -21,7 +21,7 @@ from engine.kv_cache import KVLayout
 from engine.kv_connector import EngineCard
 
 PERIOD_S = 1.0
-STALE_S = 10.0
+STALE_S = 5.0
 _NAMESPACE = "raypd"
 
 
@@ -64,6 +64,16 @@ class Directory:
                 counter: int, peers: tuple[str, ...] = ()) -> None:
         body = {"card": _card_json(card), "stats": stats, "counter": counter, "peers": list(peers)}
         internal_kv._internal_kv_put(_key(self.app, role, replica_id), json.dumps(body), namespace=_NAMESPACE)
+
+    def flag(self, name: bytes) -> bool:
+        """Whether a flag (e.g. draining) is set for this application."""
+        return internal_kv._internal_kv_exists(name, namespace=_NAMESPACE)
+
+    def set_flag(self, name: bytes, on: bool = True) -> None:
+        if on:
+            internal_kv._internal_kv_put(name, b"1", namespace=_NAMESPACE)
+        else:
+            internal_kv._internal_kv_del(name, namespace=_NAMESPACE)
 
     def remove(self, role: str, replica_id: str) -> None:
         internal_kv._internal_kv_del(_key(self.app, role, replica_id), namespace=_NAMESPACE)

@@ -1,10 +1,10 @@
-"""The OpenAI-compatible ingress: validates at the edge, owns its requests, streams SSE. A Serve deployment."""
-
+"""The OpenAI-compatible ingress: validates at the edge, sheds load, owns its requests, streams SSE. A Serve
+deployment. /health and /metrics read state kept up to date in the background, so they never wait behind generation.
+"""
+# No `from __future__ import annotations` here: Serve's ingress wrapper breaks FastAPI's reading of string annotations.
 
 import asyncio
-import dataclasses
 import hmac
-import json
 from typing import AsyncIterator
 
 import ray
@@ -17,39 +17,34 @@ from transformers import AutoTokenizer
 
 from cluster.config import RaypdConfig
 from cluster.directory import Directory
+from cluster.edge import Admission, BodyLimit, EdgeError, EdgeLimits, Ticket
+from cluster.lanes import OwnerLanes
 from cluster.metrics import Metrics
 from cluster.openai_format import Formatter, error_body
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.owner import RequestOwner
 from cluster.serve_roles import ServeRoles
-from engine.config import load_spec
-from engine.kv_cache import KVLayout
+from cluster.streaming import abort_unfinished, event, failure_events, pieces
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
-from cluster.lanes import OwnerLanes
 
 app = FastAPI(title="raypd", description="OpenAI-compatible endpoints of a disaggregated prefill/decode cluster")
-_HEALTH_TIMEOUT_S = 10.0
-
-
-class EdgeError(Exception):
-    """A request the edge refuses; status and OpenAI error body say why."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, kind, param, code)
+app.add_middleware(BodyLimit)
+_WATCH_S = 1.0
+DRAINING_KEY = b"draining/"  # + app name, in the replica directory's namespace: set by `raypd serve` on SIGTERM
 
 
 @app.exception_handler(EdgeError)
 async def _edge_error(request: Request, exc: EdgeError) -> JSONResponse:
-    return JSONResponse(exc.body, status_code=exc.status)
+    return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
 
 @app.exception_handler(RequestValidationError)
 async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-    problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()]
-    first = exc.errors()[0]["loc"][1:] if exc.errors() else ()
+    errors = exc.errors()
+    problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg'].removeprefix('Value error, ')}"
+                for e in errors]
+    first = errors[0]["loc"][1:] if errors else ()
     return JSONResponse(error_body("; ".join(problems), "invalid_request_error", ".".join(map(str, first)) or None),
                         status_code=400)
 
@@ -59,117 +54,35 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
 
 
-@dataclasses.dataclass(frozen=True)
-class EdgeLimits:
-    """What a request may ask for, known before any worker sees it."""
-
-    vocab_size: int
-    context_length: int
-    max_blocks: int
-    block_size: int
-
-    @classmethod
-    def of(cls, config: RaypdConfig) -> "EdgeLimits":
-        spec = load_spec(config.model)
-        engine = config.engine_config()
-        dtype = engine.dtype or spec.checkpoint_dtype
-        layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.block_size, dtype)
-        return cls(spec.vocab_size, spec.max_position_embeddings, engine.pool_blocks(layout), engine.block_size)
-
-    def check(self, ids: list[int], params: SamplingParams) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EdgeError(400, f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}", param="prompt")
-        total = len(ids) + params.max_tokens
-        if total > self.context_length:
-            raise EdgeError(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                                 f"the context length {self.context_length}", param="max_tokens",
-                            code="context_length_exceeded")
-        if -(-total // self.block_size) * params.num_candidates > self.max_blocks:
-            raise EdgeError(400, f"the request needs more KV blocks than a worker has ({self.max_blocks})",
-                            param="max_tokens")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """What one choice got in one streaming step (copied out: the result moves on at its next step)."""
-
-    prompt: int
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list | None
-    finish_reason: str | None
-
-
-async def _pieces(results: list[RequestOutput]) -> AsyncIterator[_Piece]:
-    """The pieces of several streaming results, in the order their steps arrive."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, result: RequestOutput) -> None:
-        ended: set[int] = set()
-        try:
-            async for step in result:
-                for out in step.outputs:
-                    ends = out.finished and out.index not in ended
-                    if out.text_diff or out.token_ids_diff or ends:
-                        ended.update([out.index] if ends else [])
-                        lps = list(out.logprobs_diff) if out.logprobs is not None else None
-                        await queue.put(_Piece(i, out.index, out.text_diff, list(out.token_ids_diff), lps,
-                                               out.finish_reason if ends else None))
-        except BaseException as exc:  # handed to the consumer, which raises it
-            await queue.put(exc)
-        await queue.put(None)
-
-    pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(results)]
-    open_streams = len(results)
-    try:
-        while open_streams:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                open_streams -= 1
-                continue
-            yield item
-    finally:
-        for p in pumps:
-            p.cancel()
-
-
-def _abort_unfinished(results: list[RequestOutput]) -> None:
-    # A client that went away (or a failed sibling) must not leave work, or KV blocks, behind.
-    for r in results:
-        if not r.finished:
-            r.abort()
-
-
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
     def __init__(self, config: RaypdConfig, prefill, decode, api_key: str | None, postprocs: list):
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
-        self.limits = EdgeLimits.of(self.config)
+        self.limits = EdgeLimits.of(self.config, self.tokenizer)
+        self.admission = Admission(config.limits)
+        app.state.max_body_bytes = int(config.limits.max_body_bytes)  # read by BodyLimit before any parsing
         self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s)
         self._lanes = self._open_lanes(postprocs)
         self.owner.lanes = self._lanes
         self.metrics = Metrics()
-        self._roles = {name: h for name, h in (("prefill", prefill), ("decode", decode)) if h is not None}
-        self._directory = Directory(serve.get_replica_context().replica_id.deployment_id.app_name)
+        self._roles = [name for name, h in (("prefill", prefill), ("decode", decode)) if h is not None]
+        replica = serve.get_replica_context().replica_id
+        self._app_name, self._replica_id, self._published = replica.deployment_id.app_name, replica.unique_id, 0
+        self._directory = Directory(self._app_name)
+        self._role_stats: dict[str, dict[str, float]] = {}
+        self._watch_roles = asyncio.get_event_loop().create_task(self._watch())
         self._api_key = api_key
 
     # ---- endpoints ----
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        postproc = self._lanes.health() if self._lanes is not None else None
-        if postproc is not None:
-            return JSONResponse(error_body(f"postproc role is degraded: {postproc}", "service_unavailable"), 503)
-        for role, handle in self._roles.items():
-            try:
-                await asyncio.wait_for(handle.check_health.remote(), _HEALTH_TIMEOUT_S)
-            except Exception as exc:  # no live replica, or a replica whose engine died
-                return JSONResponse(error_body(f"{role} role is not healthy: {exc}", "service_unavailable"), 503)
+        problems = [p for p in (self.admission.closed or self.admission.degraded,
+                                self._lanes.health() if self._lanes else None) if p]
+        if problems:
+            return JSONResponse(error_body("; ".join(problems), "service_unavailable"), 503,
+                                headers={"Retry-After": str(self.config.limits.retry_after_s)})
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -181,48 +94,48 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        # Each role's stats summed over its replicas, from the replica directory: never waits behind generation.
-        for role in self._roles:
-            try:
-                self.metrics.set_kv(role, await asyncio.to_thread(self._directory.totals, role))
-            except Exception:  # metrics must not fail because the directory is briefly unreachable
-                pass
+        for role, stats in self._role_stats.items():
+            self.metrics.set_kv(role, stats)
+        counters = dict(self.owner.counters, shed=self.admission.shed, in_flight=self.admission.requests,
+                        lane_dropped=self._lanes.lane.dropped if self._lanes else 0)
+        self.metrics.set_kv("ingress", counters)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        self._authorize(request)
-        self._check_model(body.model)
+        self._admit_request(request, body.model)
+        prompts = body.prompts()
+        self.limits.check_count(len(prompts), self.config.limits.max_prompts_per_request, "prompts", "prompt")
         params = self._params(body, body.max_tokens, body.logprobs)
-        prompts = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p) for p in body.prompts()]
+        encoded = [(p, await self._encode(p, "prompt")) if isinstance(p, str) else (None, p) for p in prompts]
         fmt = Formatter(False, self.config.model_name, self.tokenizer, body.logprobs or 0)
-        return await self._serve(prompts, params, body, fmt)
+        return await self._serve(encoded, params, body, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._authorize(request)
-        self._check_model(body.model)
+        self._admit_request(request, body.model)
+        self.limits.check_count(len(body.messages), self.config.limits.max_messages_per_request, "messages",
+                                "messages")
         params = self._params(body, body.max_completion_tokens or body.max_tokens, body.logprob_count())
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        for i, m in enumerate(messages):
+            self.limits.check_text_length(m["content"], f"messages.{i}.content")
+        text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                       tokenize=False)
+        ids = await self._encode(text, "messages", add_special_tokens=False)
         fmt = Formatter(True, self.config.model_name, self.tokenizer, body.top_logprobs or 0)
         return await self._serve([(text, ids)], params, body, fmt)
 
-    # ---- helpers ----
-    def _open_lanes(self, postprocs: list) -> OwnerLanes | None:
-        """This replica's lane: postproc workers push the outputs of its requests there (signed, over tcp); a
-        watch follows the workers through restarts."""
-        if not postprocs:
-            return None
-        loop = asyncio.get_event_loop()
-        lanes = OwnerLanes(postprocs, self.owner.on_output, loop, ray.util.get_node_ip_address())
-        self._watch = loop.create_task(lanes.watch(self.owner.on_postproc_lost))
-        return lanes
+    # ---- the edge ----
+    def _admit_request(self, request: Request, model: str) -> None:
+        self._authorize(request)
+        self._check_model(model)
+        self.admission.check_room()  # shed at once, before any tokenizing
 
-    def __del__(self):
-        if getattr(self, "_lanes", None) is not None:
-            self._lanes.close()
+    async def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        self.limits.check_text_length(text, param)
+        # Off the event loop: a long prompt must not stall every other stream (the tokenizer releases the GIL).
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     def _authorize(self, request: Request) -> None:
         if self._api_key is None:
@@ -244,40 +157,91 @@ class Ingress:
         except ValueError as exc:  # SamplingParams names the field
             raise EdgeError(400, str(exc)) from None
 
+    # ---- serving ----
     async def _serve(self, prompts, params: SamplingParams, body, fmt: Formatter):
         for _, ids in prompts:
             self.limits.check(ids, params)
-        created = [self.owner.create(ids, params, streaming=body.stream, text=text) for text, ids in prompts]
-        tasks = [asyncio.ensure_future(self.owner.run(result, record)) for result, record in created]
+        ticket = self.admission.admit(sum(len(ids) + params.max_tokens * params.num_candidates for _, ids in prompts))
+        try:
+            created = [self.owner.create(ids, params, streaming=body.stream, text=text) for text, ids in prompts]
+            for result, record in created:
+                asyncio.ensure_future(self.owner.run(result, record))
+        except BaseException:
+            self.admission.release(ticket)
+            raise
         results = [result for result, _ in created]
         if body.stream:
-            return StreamingResponse(self._sse(results, tasks, fmt, body.include_usage),
+            return StreamingResponse(self._sse(results, fmt, body.include_usage, ticket),
                                      media_type="text/event-stream")
         try:
             await asyncio.gather(*(r.aresult() for r in results))
         except RequestError as exc:
-            raise EdgeError(500, f"generation failed: {exc}", "server_error") from None
+            raise EdgeError(503, f"generation failed: {exc}", "service_unavailable",
+                            headers={"Retry-After": str(self.config.limits.retry_after_s)}) from None
         finally:
-            _abort_unfinished(results)
+            abort_unfinished(results)
+            self.admission.release(ticket)
         for r in results:
             self.metrics.observe(r)
         return JSONResponse(fmt.response(results))
 
-    async def _sse(self, results: list[RequestOutput], tasks, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, results: list[RequestOutput], fmt: Formatter, include_usage: bool,
+                   ticket: Ticket) -> AsyncIterator[str]:
         n = results[0].sampling_params.n
-        first = [True] * (n * len(results))
+        first, ended = [True] * (n * len(results)), set()
         try:
-            async for piece in _pieces(results):
+            async for piece in pieces(results):
                 index = piece.prompt * n + piece.index
                 chunk = fmt.chunk(index, piece.text, piece.token_ids, piece.logprobs, piece.finish_reason, first[index])
                 first[index] = False
-                yield f"data: {json.dumps(chunk)}\n\n"
+                if piece.finish_reason is not None:
+                    ended.add(index)
+                yield event(chunk)
             if include_usage:
-                yield f"data: {json.dumps(fmt.usage_chunk(results))}\n\n"
+                yield event(fmt.usage_chunk(results))
             for r in results:
                 self.metrics.observe(r)
         except RequestError as exc:
-            yield f"data: {json.dumps(error_body(f'generation failed: {exc}', 'server_error'))}\n\n"
+            for line in failure_events(results, fmt, f"generation failed: {exc}", ended):
+                yield line
         finally:
-            _abort_unfinished(results)
+            abort_unfinished(results)
+            self.admission.release(ticket)
         yield "data: [DONE]\n\n"
+
+    # ---- background ----
+    def _open_lanes(self, postprocs: list) -> "OwnerLanes | None":
+        """This replica's lane: postproc workers push the outputs of its requests there (signed, over tcp); a
+        watch follows the workers through restarts."""
+        if not postprocs:
+            return None
+        loop = asyncio.get_event_loop()
+        lanes = OwnerLanes(postprocs, self.owner.on_output, loop, ray.util.get_node_ip_address())
+        self._watch_lanes = loop.create_task(lanes.watch(self.owner.on_postproc_lost))
+        return lanes
+
+    async def _watch(self) -> None:
+        """Every second: each role's replicas and stats (from the replica directory), and whether to drain."""
+        while True:
+            try:
+                await asyncio.to_thread(self._look)
+            except Exception:  # the directory is briefly unreachable: keep the last view
+                pass
+            await asyncio.sleep(_WATCH_S)
+
+    def _look(self) -> None:
+        self._role_stats = {role: self._directory.totals(role) for role in self._roles}
+        missing = [role for role, stats in self._role_stats.items() if not stats["replicas"]]
+        self.admission.degraded = f"the {' and '.join(missing)} role has no live replica" if missing else None
+        # Any engine can serve a whole request: only with no replica of any role left is there nothing to serve on.
+        closed = "no prefill or decode replica is live" if len(missing) == len(self._roles) else None
+        if self._directory.flag(DRAINING_KEY + self._app_name.encode()):
+            closed = "the server is shutting down"
+        self.admission.closed = closed
+        self._published += 1
+        self._directory.publish("ingress", self._replica_id, None, {"in_flight": self.admission.requests},
+                                self._published)
+
+    def __del__(self):
+        if getattr(self, "_lanes", None) is not None:
+            self._lanes.close()

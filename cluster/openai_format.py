@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -65,16 +66,16 @@ class Formatter:
             pos += len(tok)
         return {
             "tokens": tokens,
-            "token_logprobs": [e[t].logprob for t, e in zip(token_ids, entries)],
-            "top_logprobs": [{self._text(k): v.logprob for k, v in self._top(e)} for e in entries],
+            "token_logprobs": [_finite(e[t].logprob) for t, e in zip(token_ids, entries)],
+            "top_logprobs": [{self._text(k): _finite(v.logprob) for k, v in self._top(e)} for e in entries],
             "text_offset": offsets,
         }
 
     def _chat_logprob(self, token: int, entry: TokenLogprobs) -> dict:
         text = self._text(token)
-        return {"token": text, "logprob": entry[token].logprob, "bytes": list(text.encode()),
-                "top_logprobs": [{"token": self._text(k), "logprob": v.logprob, "bytes": list(self._text(k).encode())}
-                                 for k, v in self._top(entry)]}
+        return {"token": text, "logprob": _finite(entry[token].logprob), "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self._text(k), "logprob": _finite(v.logprob),
+                                  "bytes": list(self._text(k).encode())} for k, v in self._top(entry)]}
 
     def _top(self, entry: TokenLogprobs) -> list:
         """The asked-for alternatives, most likely first (the entry also holds the chosen token, whatever its rank)."""
@@ -82,6 +83,14 @@ class Formatter:
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+_LOGPROB_FLOOR = -9999.0  # what OpenAI-compatible servers report for a token of probability 0
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf or NaN: a token the sampler could never pick gets the floor value."""
+    return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 
 
 def usage(results: list[GenerationResult]) -> dict:

@@ -4,9 +4,25 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmapi.sampling_params import SamplingParams
+
+
+def bad_text(value, path: str = "body") -> str | None:
+    """The path of the first string in a parsed JSON value that is not valid Unicode (a lone surrogate), if any."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"{path}: not valid Unicode (a lone surrogate at character {exc.start})"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = bad_text(item, str(key) if path == "body" else f"{path}.{key}")
+        if found:
+            return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -34,6 +50,14 @@ class _Sampling(BaseModel):
                                    "shared only between requests with the same salt (tenant isolation).")
     presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
     frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data):
+        problem = bad_text(data)
+        if problem:  # e.g. a lone surrogate ("\ud800"): no tokenizer can take it
+            raise ValueError(problem)
+        return data
 
     @field_validator("stop")
     @classmethod

@@ -200,7 +200,8 @@ class LLMEngine:
                 "kv_releases_rejected": kv.releases_rejected, "kv_releases_unknown": kv.releases_unknown,
                 "prefix_cache_query_tokens": cache.query_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "num_waiting_for_kv": len(self.scheduler.waiting_for_kv), "num_preemptions": self.scheduler.num_preemptions}
+                "num_waiting_for_kv": len(self.scheduler.waiting_for_kv), "num_preemptions": self.scheduler.num_preemptions,
+                "num_reprefills": self.scheduler.num_reprefills, **kv.extra}
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:

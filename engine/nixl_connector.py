@@ -40,6 +40,7 @@ class LeaseTable:
         self._by_request: dict[int, str] = {}
         self.rejected = 0
         self.unknown = 0
+        self.expired_count = 0
 
     def __len__(self) -> int:
         return len(self._by_lease)
@@ -82,6 +83,7 @@ class LeaseTable:
         for rid in ended:
             log.warning("KV lease of context request %d expired before the decode side released it", rid)
             self.end(rid)
+        self.expired_count += len(ended)
         return ended
 
 
@@ -235,7 +237,7 @@ class NixlConnector(KVConnector):
     def stats(self) -> ConnectorStats:
         s = self._stats
         return ConnectorStats(s.kv_bytes_read, s.last_import_s, len(self.leases), self.leases.rejected,
-                              self.leases.unknown)
+                              self.leases.unknown, {"kv_leases_expired": self.leases.expired_count})
 
     def close(self) -> None:
         if self.transport is not None:

@@ -35,7 +35,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
         """logits: (R, vocab) fp32, one row per entry of rows."""
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=torch.float32)
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float32)
         logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)  # (R, vocab)
         tokens = logits.argmax(dim=-1)  # greedy rows keep this; ties go to the lowest index
         for i, row in enumerate(rows):

@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.held: dict[int, Sequence] = {}  # request id -> finished context-only sequence under a KV lease
         self.num_preemptions = 0
+        self.num_reprefills = 0  # imports that failed, so the prompt was computed here
         self.cache_stats = CacheStats()
 
     # ---- moving sequences ----
@@ -109,6 +110,7 @@ class Scheduler:
                 self.add_running(seq)
             else:
                 log.warning("request %d re-prefills locally: %s", seq.request.request_id, problem)
+                self.num_reprefills += 1
                 self.block_manager.free(seq)
                 seq.request.kv_source = None
                 self.add(seq, front=True)

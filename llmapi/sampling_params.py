@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
 
 @dataclass
 class SamplingParams:
     """Per-request generation parameters; invalid values raise ValueError naming the field.
 
-    temperature=0 means greedy. `seed` makes sampling reproducible: each draw is derived from
+    temperature=0 (or below 1e-5) means greedy. `seed` makes sampling reproducible: each draw is derived from
     (seed, candidate index, position), so the result does not depend on the batch or on the worker.
     `best_of` candidates are generated and the `n` with the highest cumulative logprob are returned.
     `logprobs=k` returns the sampled token's logprob plus the top-k alternatives (with ranks) per position;
@@ -69,7 +71,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """temperature 0, or so close to it that dividing the logits by it would overflow (vLLM's rule too)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_number(value) -> bool:
