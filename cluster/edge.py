@@ -121,9 +121,11 @@ class Admission:
                         headers={"Retry-After": str(self.limits.retry_after_s)})
 
 
-class BodyLimit:
-    """ASGI middleware: a body larger than the app's `state.max_body_bytes` is refused with 413 before anything
-    parses it (Content-Length first, then by counting what arrives)."""
+class EdgeGate:
+    """ASGI middleware, the first thing a request meets: a generation request that the app's admission
+    (`state.admission`) has no room for is shed before its body is even read, and a body larger than
+    `state.max_body_bytes` is refused with 413 before anything parses it (Content-Length first, then by counting
+    what arrives). Under a flood this keeps the cost of a refusal, and so of /health, small."""
 
     def __init__(self, app, default_max_bytes: int = 32 << 20):
         self.app, self.default_max_bytes = app, default_max_bytes
@@ -131,7 +133,14 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = getattr(scope["app"].state, "max_body_bytes", self.default_max_bytes)
+        state = scope["app"].state
+        admission = getattr(state, "admission", None)
+        if admission is not None and scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/"):
+            try:
+                admission.check_room()
+            except EdgeError as exc:
+                return await _answer(send, exc.status, exc.body, exc.headers or {})
+        limit = getattr(state, "max_body_bytes", self.default_max_bytes)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             return await _refuse(send, limit)
@@ -149,11 +158,16 @@ class BodyLimit:
 
 
 async def _refuse(send, limit: int) -> None:
-    body = json.dumps(error_body(f"the request body is larger than {limit} bytes",
-                                 "invalid_request_error", code="request_too_large")).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await _answer(send, 413, error_body(f"the request body is larger than {limit} bytes", "invalid_request_error",
+                                        code="request_too_large"), {})
+
+
+async def _answer(send, status: int, body: dict, headers: dict[str, str]) -> None:
+    data = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data})
 
 
 class _TooLarge(HTTPException):

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from cluster.config import RaypdConfig
 from cluster.directory import Directory
-from cluster.edge import Admission, BodyLimit, EdgeError, EdgeLimits, Ticket
+from cluster.edge import Admission, EdgeError, EdgeGate, EdgeLimits, Ticket
 from cluster.lanes import OwnerLanes
 from cluster.metrics import Metrics
 from cluster.openai_format import Formatter, error_body
@@ -29,7 +29,7 @@ from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
 
 app = FastAPI(title="raypd", description="OpenAI-compatible endpoints of a disaggregated prefill/decode cluster")
-app.add_middleware(BodyLimit)
+app.add_middleware(EdgeGate)
 _WATCH_S = 1.0
 DRAINING_KEY = b"draining/"  # + app name, in the replica directory's namespace: set by `raypd serve` on SIGTERM
 
@@ -62,7 +62,8 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.limits = EdgeLimits.of(self.config, self.tokenizer)
         self.admission = Admission(config.limits)
-        app.state.max_body_bytes = int(config.limits.max_body_bytes)  # read by BodyLimit before any parsing
+        app.state.max_body_bytes = int(config.limits.max_body_bytes)  # read by EdgeGate before any parsing
+        app.state.admission = self.admission
         self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s)
         self._lanes = self._open_lanes(postprocs)
         self.owner.lanes = self._lanes

@@ -32,7 +32,7 @@ from llmapi.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3  # calls to decode a request, the first included
+MAX_ATTEMPTS = 4  # calls to decode a request, the first included
 ACCEPT_TIMEOUT_S = 5.0  # a role call that no replica accepts within this counts as that role being down
 LANE_GRACE_S = 5.0  # after the engine is done, the final output must come through the postproc worker within this
 
@@ -190,16 +190,18 @@ class RequestOwner:
                 if s.result.aborted():
                     self._deliver(s, _cancelled(s))
                     return
-                log.warning("request %d: %s; resuming it (attempt %d of %d)", s.result.request_id,
-                            _lost(role, exc), attempt + 2, MAX_ATTEMPTS)
+                taken = s.holders.get(role, (None, None))[1] == s.engine_id
                 last_error = _lost(role, exc)
                 resume, params = self._resume(s), None
                 if resume is None:
                     return
                 self.counters["resumed"] += 1
-                # No decode replica took it: a prefill replica serves it whole (every engine can).
-                role = "prefill" if isinstance(exc, NotAccepted) and role == "decode" and not self.roles.colocated \
-                    else "decode"
+                # A role whose replica did not even take the call is down for now: the other role serves it
+                # whole (every engine can). A call that was taken and then lost is tried on the same role again.
+                if not taken and not self.roles.colocated:
+                    role = "prefill" if role == "decode" else "decode"
+                log.warning("request %d: %s; resuming it on a %s worker (attempt %d of %d)", s.result.request_id,
+                            last_error, role, attempt + 2, MAX_ATTEMPTS)
         raise RequestError(f"request {s.result.request_id} could not be finished: {last_error} "
                            f"({MAX_ATTEMPTS} attempts)")
 

@@ -41,3 +41,18 @@ def ray_cluster():
         ray.shutdown()
         subprocess.run([shutil.which("ray", path=os.path.dirname(sys.executable)), "stop", "--force"], env=ENV,
                        timeout=60, capture_output=True)
+
+
+# Rows the fault-injection suite adds (tests/cluster/test_faults.py): (what was done, load, outcome, requests lost).
+FAULT_SUMMARY: list[tuple[str, str, str, int]] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FAULT_SUMMARY:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write("fault injection (tests/cluster/test_faults.py)")
+    write(f"{'fault / input':<46} | {'load held':<24} | {'outcome':<40} | lost")
+    for fault, load, outcome, lost in FAULT_SUMMARY:
+        write(f"{fault:<46} | {load:<24} | {outcome:<40} | {lost}")

@@ -1,0 +1,103 @@
+"""`raypd serve` shuts down gracefully: SIGTERM mid-stream stops new requests (503), lets the stream finish, then
+stops Serve and its own Ray, exiting 0 with nothing left running. Replica warnings reach its console."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import yaml
+
+from engine.tiny import build_tiny_model
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 240.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _processes_in(directory: pathlib.Path) -> list[int]:
+    pids = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            if pathlib.Path(os.readlink(proc / "cwd")) == directory:
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
+    work = tmp_path.resolve()
+    build_tiny_model(work / "models" / "tiny-llama")
+    config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    port = _free_port()
+    config["http"]["port"] = port
+    config["shutdown_grace_s"] = 60
+    (work / "raypd.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    log_path = work / "raypd-serve.log"
+    raypd = shutil.which("raypd", path=os.path.dirname(sys.executable))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([raypd, "serve", "raypd.yaml"], cwd=work, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _healthy(base):
+            assert proc.poll() is None, f"raypd serve exited: {log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"not healthy in time: {log_path.read_text()[-3000:]}"
+            time.sleep(1.0)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+        got: dict = {"text": "", "reason": None, "chunks": 0}
+
+        def stream() -> None:
+            for chunk in client.completions.create(model="tiny-llama", prompt="drain me", max_tokens=600,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                got["chunks"] += 1
+                got["text"] += chunk.choices[0].text
+                got["reason"] = chunk.choices[0].finish_reason or got["reason"]
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        while got["chunks"] < 5:
+            assert streaming.is_alive(), "the stream ended before SIGTERM"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)  # every ingress replica has seen the drain
+        refused = httpx.post(f"{base}/v1/completions", json={"model": "tiny-llama", "prompt": "late", "max_tokens": 2},
+                             timeout=30)
+        assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
+        streaming.join(120)
+        assert got["reason"] == "length" and got["chunks"] >= 500, got  # it finished, whole
+        assert proc.wait(90) == 0
+        out = log_path.read_text()
+        assert "raypd: stopped" in out and "Traceback" not in out, out[-3000:]
+        time.sleep(2.0)
+        assert not _processes_in(work), "processes left running after raypd serve exited"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _processes_in(work):
+            os.kill(pid, signal.SIGKILL)
