@@ -73,6 +73,7 @@ class Ingress:
         self._app_name, self._replica_id, self._published = replica.deployment_id.app_name, replica.unique_id, 0
         self._directory = Directory(self._app_name)
         self._role_stats: dict[str, dict[str, float]] = {}
+        self._seen_live: set[str] = set()
         self._watch_roles = asyncio.get_event_loop().create_task(self._watch())
         self._api_key = api_key
 
@@ -232,7 +233,10 @@ class Ingress:
 
     def _look(self) -> None:
         self._role_stats = {role: self._directory.totals(role) for role in self._roles}
-        missing = [role for role, stats in self._role_stats.items() if not stats["replicas"]]
+        self._seen_live.update(role for role, stats in self._role_stats.items() if stats["replicas"])
+        # A role counts as missing once it has been seen and is gone; before its first replica registers, Serve
+        # itself holds requests until one is up.
+        missing = [role for role in self._seen_live if not self._role_stats[role]["replicas"]]
         self.admission.degraded = f"the {' and '.join(missing)} role has no live replica" if missing else None
         # Any engine can serve a whole request: only with no replica of any role left is there nothing to serve on.
         closed = "no prefill or decode replica is live" if len(missing) == len(self._roles) else None

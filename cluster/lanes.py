@@ -21,7 +21,8 @@ from postproc.routing import Lane, Output
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
-_CALL_S = 1.0
+_CALL_S = 2.0
+_MISSES = 3
 _START_S = 60.0
 
 
@@ -35,6 +36,7 @@ class OwnerLanes:
         self._lanes: list[int | None] = ray.get([p.add_lane.remote(self.lane.addr) for p in self.postprocs],
                                                 timeout=_START_S)
         self.down: dict[int, str] = {}  # worker -> why it is down
+        self._misses = [0] * len(self.postprocs)  # consecutive polls without an answer
 
     def route(self, streaming: bool) -> PostprocRoute | None:
         if self.down:
@@ -61,8 +63,11 @@ class OwnerLanes:
         actor, n = self.postprocs[i], len(self.postprocs)
         try:
             addr = tuple(await asyncio.wait_for(actor.pull_pipe_addr.remote(), _CALL_S))
-        except Exception:
-            if i not in self.down:
+            self._misses[i] = 0
+        except Exception as exc:
+            # A dead actor says so at once; a slow answer is only a busy host until it happens MISSES times.
+            self._misses[i] += 1
+            if i not in self.down and (not isinstance(exc, asyncio.TimeoutError) or self._misses[i] >= _MISSES):
                 self.down[i] = "not answering (restarting?)"
                 log.warning("postproc worker %d is not answering: its requests are resumed without it", i)
                 on_lost(i, n, "not answering")

@@ -84,6 +84,7 @@ class _Serving:
     engine_id: int  # the request's id on the engines; a resumed request gets a new one
     holders: dict[str, tuple[tuple, int]] = field(default_factory=dict)  # role -> (control pipe, engine id)
     serving_role: str = "decode"
+    direct: bool = False  # tokens come straight from the engine, not through the postproc workers
 
 
 class RequestOwner:
@@ -192,6 +193,8 @@ class RequestOwner:
                     return
                 taken = s.holders.get(role, (None, None))[1] == s.engine_id
                 last_error = _lost(role, exc)
+                if isinstance(exc, (PostprocLost, PostprocUnreachable)):
+                    s.direct = True  # its postproc path failed: the rest comes straight to this owner
                 resume, params = self._resume(s), None
                 if resume is None:
                     return
@@ -207,7 +210,7 @@ class RequestOwner:
 
     async def _generate(self, s: _Serving, role: str, params: DisaggregatedParams | None,
                         resume: Resume | None) -> None:
-        route = self.lanes.route(s.result.streaming) if self.lanes is not None else None
+        route = self.lanes.route(s.result.streaming) if self.lanes is not None and not s.direct else None
         s.serving_role = role
         if route is not None:
             await self._via_postproc(s, role, params, resume, route)
@@ -334,7 +337,7 @@ async def _accepted_within(stream: AsyncIterator, timeout: float) -> AsyncIterat
 def _lost(role: str, exc: BaseException) -> str:
     """What happened, in words that name the role and never a pid, an actor id or an address."""
     if isinstance(exc, (PostprocLost, PostprocUnreachable)):
-        return f"its postproc worker was lost ({exc})"
+        return "its postproc worker was lost"
     if isinstance(exc, NotAccepted):
         return f"no {role} worker took it within {ACCEPT_TIMEOUT_S} s"
     return f"its {role} worker was lost"
