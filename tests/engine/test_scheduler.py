@@ -141,8 +141,8 @@ def test_imports_wait_for_blocks_and_seats_in_their_queue():
     assert out.scheduled == [] and sched.waiting_for_kv == [a, b] and list(sched.waiting) == [c]
     assert [p.seq for p in connector.started] == [a, b] and connector.started[0].remote_blocks == (100, 101)
     assert len(sched.running) + len(sched.waiting_for_kv) <= 2
-    arrived = sched.update_from_connector(ConnectorEvents(imports_done=((a, None),)))
-    assert arrived == [a] and sched.running == [a] and a.num_computed_tokens == 8
+    arrived, failed = sched.update_from_connector(ConnectorEvents(imports_done=((a, None),)))
+    assert arrived == [a] and failed == [] and sched.running == [a] and a.num_computed_tokens == 8
     sched.schedule()
     assert list(sched.waiting) == [c]  # a and b still take both seats
     sched.finish(a)
