@@ -52,6 +52,8 @@ class ImageInputs:
 
     def from_images(self, token_ids: Sequence[int], images) -> PreparedPrompt:
         """Decodes, preprocesses and encodes the images here (errors name images[i])."""
+        if not images:
+            return self.text(token_ids)
         self._require("multi_modal_data.image", "images")
         mm = self.processor.process(list(token_ids), images)
         encoder = self._vision_encoder()
