@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from cluster.owner import RequestOwner
 from cluster.router import Router
-from llmapi.batch import Prompt, as_prompt_list, wait_all
+from engine.multimodal import MultimodalProcessor
+from llmapi.batch import Prompt, as_prompt_list, split_prompt, wait_all
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
 from llmapi.result import RequestOutput
@@ -26,22 +27,35 @@ log = logging.getLogger(__name__)
 
 
 class ActorRoles:
-    """Roles on plain Ray actors: this owner routes (least queued tokens) and retries a dead prefill actor once."""
+    """Roles on plain Ray actors: this owner routes (least queued tokens; images: fewest in flight) and retries a dead
+    prefill actor once."""
 
-    def __init__(self, prefill: list[Any], decode: list[Any], call_timeout_s: float):
+    def __init__(self, prefill: list[Any], decode: list[Any], call_timeout_s: float, encoder: list[Any] = ()):
         self.prefill_router = Router(prefill, "prefill")
         self.decode_router = Router(decode, "decode")
+        self.encoder_router = Router(list(encoder), "encoder") if encoder else None
         self.call_timeout_s = call_timeout_s
         self.colocated = False
         self._where: dict[int, Any] = {}  # request id -> the actor that holds it now
 
-    async def prefill(self, result: RequestOutput) -> EngineResponse:
+    async def encode(self, result: RequestOutput, images: tuple) -> DisaggregatedParams:
+        if self.encoder_router is None:
+            raise ValueError("this client was given no encoder workers: it takes no images")
+        i = self.encoder_router.pick(len(images))
+        try:
+            return await asyncio.wait_for(self.encoder_router.workers[i].encode.remote(list(images)),
+                                          self.call_timeout_s)
+        finally:
+            self.encoder_router.release(i, len(images))
+
+    async def prefill(self, result: RequestOutput, images: DisaggregatedParams | None = None) -> EngineResponse:
         cost, tried = len(result.prompt_token_ids), ()
         while True:
             i = self.prefill_router.pick(cost, exclude=tried)
             worker = self._where[result.request_id] = self.prefill_router.workers[i]
             try:
-                call = worker.prefill.remote(result.request_id, result.prompt_token_ids, result.sampling_params)
+                call = worker.prefill.remote(result.request_id, result.prompt_token_ids, result.sampling_params,
+                                             images)
                 return await asyncio.wait_for(call, self.call_timeout_s)
             except RayActorError as exc:
                 tried += (i,)
@@ -81,9 +95,15 @@ class ActorRoles:
 
 
 class DisaggregatedClient:
-    def __init__(self, prefill: list[Any], decode: list[Any], tokenizer_dir: str, request_timeout_s: float = 300.0):
+    """encoder: encoder actors, for a model with a vision tower: prompt dicts with multi_modal_data then work (the
+    images are decoded and hashed here, encoded there, read by the prefill actor)."""
+
+    def __init__(self, prefill: list[Any], decode: list[Any], tokenizer_dir: str, request_timeout_s: float = 300.0,
+                 encoder: list[Any] = ()):
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.owner = RequestOwner(ActorRoles(prefill, decode, request_timeout_s), self.tokenizer, request_timeout_s)
+        self.processor = MultimodalProcessor(tokenizer_dir) if encoder else None
+        self.owner = RequestOwner(ActorRoles(prefill, decode, request_timeout_s, encoder), self.tokenizer,
+                                  request_timeout_s)
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._aloop.run_forever, name="raypd-owner", daemon=True)
         self._thread.start()
@@ -97,8 +117,16 @@ class DisaggregatedClient:
 
     def generate_async(self, inputs: Prompt, sampling_params: SamplingParams | None = None,
                        streaming: bool = False) -> RequestOutput:
-        result, record = self.owner.create(inputs, sampling_params or SamplingParams(), streaming)
-        asyncio.run_coroutine_threadsafe(self.owner.run(result, record), self._aloop)
+        prompt, images = split_prompt(inputs)
+        text, items = None, ()
+        if images:
+            if self.processor is None:
+                raise ValueError("multi_modal_data: this client has no encoder workers; it takes no images")
+            mm = self.processor.process(prompt, images)
+            text = prompt if isinstance(prompt, str) else None
+            prompt, items = list(mm.token_ids), mm.images
+        result, record = self.owner.create(prompt, sampling_params or SamplingParams(), streaming, text=text)
+        asyncio.run_coroutine_threadsafe(self.owner.run(result, record, items), self._aloop)
         return result
 
     def shutdown(self) -> None:

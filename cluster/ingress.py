@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from cluster.config import RaypdConfig
 from cluster.directory import Directory
+from cluster.edge_images import BadImage, EdgeImages
 from cluster.metrics import Metrics
 from cluster.openai_format import Formatter, error_body
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -147,14 +148,18 @@ def _abort_unfinished(results: list[RequestOutput]) -> None:
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, config: RaypdConfig, prefill, decode, api_key: str | None, postprocs: list):
+    def __init__(self, config: RaypdConfig, prefill, decode, api_key: str | None, postprocs: list, encoder=None):
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.limits = EdgeLimits.of(self.config)
+        # Images are decoded, checked and hashed here, once; only a model with an encoder role takes them.
+        self.images = EdgeImages(config.model, config.multimodal) if encoder is not None else None
         self._lane, lanes = self._open_lane(postprocs)
-        self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s, lanes)
+        self.owner = RequestOwner(ServeRoles(prefill, decode, encoder), self.tokenizer, self.config.request_timeout_s,
+                                  lanes)
         self.metrics = Metrics()
-        self._roles = {name: h for name, h in (("prefill", prefill), ("decode", decode)) if h is not None}
+        self._roles = {name: h for name, h in (("encoder", encoder), ("prefill", prefill), ("decode", decode))
+                       if h is not None}
         self._directory = Directory(serve.get_replica_context().replica_id.deployment_id.app_name)
         self._api_key = api_key
 
@@ -199,11 +204,23 @@ class Ingress:
         self._authorize(request)
         self._check_model(body.model)
         params = self._params(body, body.max_completion_tokens or body.max_tokens, body.logprob_count())
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        parts = [(f"messages[{i}].content[{j}]", p.image_url.url) for i, m in enumerate(body.messages)
+                 for j, p in m.image_parts()]
+        if parts and self.images is None:
+            raise EdgeError(400, f"{parts[0][0]}: model {self.config.model_name!r} is text-only; it takes no images",
+                            param=parts[0][0])
+        messages = [{"role": m.role, "content": m.template_content() if self.images else m.text()}
+                    for m in body.messages]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
+        images = ()
+        if parts:
+            try:
+                ids, images = await self.images.prepare(ids, parts)
+            except BadImage as exc:
+                raise EdgeError(400, str(exc), param=exc.param) from None
         fmt = Formatter(True, self.config.model_name, self.tokenizer, body.top_logprobs or 0)
-        return await self._serve([(text, ids)], params, body, fmt)
+        return await self._serve([(text, ids)], params, body, fmt, [images])
 
     # ---- helpers ----
     def _open_lane(self, postprocs: list) -> tuple[Lane | None, tuple[int, ...]]:
@@ -239,11 +256,19 @@ class Ingress:
         except ValueError as exc:  # SamplingParams names the field
             raise EdgeError(400, str(exc)) from None
 
-    async def _serve(self, prompts, params: SamplingParams, body, fmt: Formatter):
-        for _, ids in prompts:
+    async def _serve(self, prompts, params: SamplingParams, body, fmt: Formatter, images: list | None = None):
+        """images: per prompt, its images (engine.multimodal.ImageItem; the prompt's placeholders expanded)."""
+        images = images or [()] * len(prompts)
+        for (_, ids), imgs in zip(prompts, images):
             self.limits.check(ids, params)
+            if self.images is not None and not imgs:
+                try:
+                    self.images.check_text(ids, "messages" if fmt.chat else "prompt")
+                except BadImage as exc:
+                    raise EdgeError(400, str(exc), param=exc.param) from None
         created = [self.owner.create(ids, params, streaming=body.stream, text=text) for text, ids in prompts]
-        tasks = [asyncio.ensure_future(self.owner.run(result, record)) for result, record in created]
+        tasks = [asyncio.ensure_future(self.owner.run(result, record, imgs))
+                 for (result, record), imgs in zip(created, images)]
         results = [result for result, _ in created]
         if body.stream:
             return StreamingResponse(self._sse(results, tasks, fmt, body.include_usage),

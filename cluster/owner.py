@@ -21,14 +21,19 @@ log = logging.getLogger(__name__)
 
 
 class Roles(Protocol):
-    """How an owner reaches the prefill and decode workers. Every call has the owner's deadline around it.
-    colocated: there is no prefill role; decode workers serve whole requests (params None below)."""
+    """How an owner reaches the encoder, prefill and decode workers. Every call has the owner's deadline around it.
+    colocated: there is no prefill role; decode workers serve whole requests (params None below, or the images'
+    handles)."""
 
     colocated: bool
 
-    async def prefill(self, result: RequestOutput) -> EngineResponse:
-        """The context-only response of a prefill worker it picked: first tokens, and a Handoff unless every
-        candidate ended there."""
+    async def encode(self, result: RequestOutput, images: tuple) -> DisaggregatedParams:
+        """The embedding handles and content hashes of the request's images (engine.multimodal.ImageItem, decoded
+        and hashed by the owner), from an encoder worker it picked."""
+
+    async def prefill(self, result: RequestOutput, images: DisaggregatedParams | None = None) -> EngineResponse:
+        """The context-only response of a prefill worker it picked (which reads the images' embeddings the
+        encoder's handles name): first tokens, and a Handoff unless every candidate ended there."""
 
     def decode(self, result: RequestOutput, params: DisaggregatedParams | None) -> AsyncIterator[EngineResponse]:
         """The responses of a decode worker it picked; the first tokens are not repeated."""
@@ -75,21 +80,26 @@ class RequestOwner:
         result = RequestOutput(request_id, ids, params, text, streaming, abort_fn=self.roles.abort)
         return result, DetokenizedGenerationResultBase(request_id, ids, params, self.tokenizer, streaming)
 
-    async def run(self, result: RequestOutput, record: DetokenizedGenerationResultBase) -> None:
-        """Serves one request to its end; every failure reaches the result as an error that says where."""
+    async def run(self, result: RequestOutput, record: DetokenizedGenerationResultBase, images: tuple = ()) -> None:
+        """Serves one request to its end; every failure reaches the result as an error that says where. images:
+        the prompt's images (engine.multimodal.ImageItem), whose placeholders result.prompt_token_ids has expanded."""
         try:
-            await asyncio.wait_for(self._serve(result, record), self.request_timeout_s)
+            await asyncio.wait_for(self._serve(result, record, tuple(images)), self.request_timeout_s)
         except asyncio.TimeoutError:
             self.roles.abort(result.request_id)
             result.put(RequestError(f"request {result.request_id} did not finish within {self.request_timeout_s} s"))
         except Exception as exc:
             result.put(exc if isinstance(exc, (ValueError, RequestError)) else RequestError(str(exc)))
 
-    async def _serve(self, result: RequestOutput, record: DetokenizedGenerationResultBase) -> None:
+    async def _serve(self, result: RequestOutput, record: DetokenizedGenerationResultBase, images: tuple) -> None:
+        # Images go to an encoder first; only their handles travel on (DESIGN.md, "One request, end to end").
+        mm = await self.roles.encode(result, images) if images else None
         if self.roles.colocated:
-            await self._generate(result, record, None)
+            whole = None if mm is None else DisaggregatedParams(
+                multimodal_embedding_handles=mm.multimodal_embedding_handles, multimodal_hashes=mm.multimodal_hashes)
+            await self._generate(result, record, whole)
             return
-        ctx = await self.roles.prefill(result)
+        ctx = await self.roles.prefill(result, mm)
         if ctx.error is not None:
             raise RequestError(ctx.error)
         if self._deliver(result, record, ctx) or ctx.handoff is None:

@@ -13,17 +13,30 @@ from llmapi.result import RequestOutput
 
 
 class ServeRoles:
-    def __init__(self, prefill, decode):
+    def __init__(self, prefill, decode, encoder=None):
         self.colocated = prefill is None
         self._prefill = prefill
+        self._encoder = encoder
         self._decode = decode.options(stream=True)
         self._decode_call = decode
         self._inflight: dict[int, Any] = {}  # request id -> its DeploymentResponse(Generator)
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def prefill(self, result: RequestOutput) -> EngineResponse:
+    async def encode(self, result: RequestOutput, images: tuple) -> DisaggregatedParams:
+        if self._encoder is None:
+            raise ValueError("this deployment has no encoder role: the model has no vision tower")
         self._loop = asyncio.get_running_loop()
-        response = self._prefill.prefill.remote(result.request_id, result.prompt_token_ids, result.sampling_params)
+        response = self._encoder.encode.remote(list(images))
+        self._inflight[result.request_id] = response
+        try:
+            return await response
+        finally:
+            self._inflight.pop(result.request_id, None)
+
+    async def prefill(self, result: RequestOutput, images: DisaggregatedParams | None = None) -> EngineResponse:
+        self._loop = asyncio.get_running_loop()
+        response = self._prefill.prefill.remote(result.request_id, result.prompt_token_ids, result.sampling_params,
+                                                images)
         self._inflight[result.request_id] = response
         try:
             return await response

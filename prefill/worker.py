@@ -21,10 +21,16 @@ class PrefillWorker(EngineWorker):
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    async def prefill(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> EngineResponse:
-        """The context-only response: first token per candidate, and DisaggregatedParams naming the KV blocks."""
+    async def prefill(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                      images: DisaggregatedParams | None = None) -> EngineResponse:
+        """The context-only response: first token per candidate, and DisaggregatedParams naming the KV blocks.
+        images: an encoder's output (multimodal_embedding_handles and multimodal_hashes, one per image): the
+        embeddings are read from the encoder over NIXL and spliced at the prompt's image positions."""
+        mm = images or DisaggregatedParams()
+        context = DisaggregatedParams(request_type="context_only",
+                                      multimodal_embedding_handles=mm.multimodal_embedding_handles,
+                                      multimodal_hashes=mm.multimodal_hashes)
         last = None
-        async for rsp in self.stream(request_id, prompt_token_ids, params,
-                                     DisaggregatedParams(request_type="context_only")):
+        async for rsp in self.stream(request_id, prompt_token_ids, params, context):
             last = rsp
         return last

@@ -11,29 +11,13 @@ import pytest
 
 from engine.encoder_cache import EncoderCacheFull
 from llmapi import LLM, DisaggregatedParams, MultimodalEncoder, RequestError, SamplingParams
-from tests.engine.images import random_images
+from tests.engine.images import PROMPTS, case, mm, random_images
 from tests.engine.parity import LlavaReference, assert_same_tokens
 from tests.pools import wait_pools_full
 
-PROMPTS = {
-    "one": "<|user|>\nWhat is in <image> this picture?<|eos|>\n<|assistant|>\n",
-    "two": "first <image> and then <image>, compare them.",
-    "back_to_back": "These: <image><image> are",
-    "at_start": "<image> a photo of",
-    "text_only": "the quick brown fox jumps over",
-}
 NEW_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0)
-
-
-def mm(text: str, images) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
-
-
-def case(name: str, seed: int = 0) -> tuple[str, list]:
-    text = PROMPTS[name]
-    return text, random_images(text.count("<image>"), seed=seed)
 
 
 @pytest.fixture(scope="module")
