@@ -131,7 +131,8 @@ class EmbeddingReader:
             raise TransferError(f"reading image embeddings from encoder {agent!r} failed: {e}") from e
         generations = self.transport.generation_scratch[local].tolist()
         self.bytes_read += len(slots) * self.scratch[0].nbytes
-        return {(agent, slot): (self.scratch[j].clone(), generations[j]) for j, slot in enumerate(slots)}
+        data = self.scratch[:len(slots)].clone()  # (n, tokens, hidden): one copy out; the scratch is reused next
+        return {(agent, slot): (data[j], generations[j]) for j, slot in enumerate(slots)}
 
     def _release(self, handles: Sequence[EmbeddingHandle]) -> None:
         """Tells each encoder its leases may end (best effort: they end at their deadline anyway)."""
