@@ -9,6 +9,7 @@ the embeddings.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class ImageInputs:
         self.dtype, self.device, self.limits = dtype, device, limits
         self._key, self._read_timeout_s = cluster_key, read_timeout_s
         self._processor = self._encoder = self._reader = None
+        self._building = threading.Lock()  # callers' threads (LLM.generate, a worker's reads) build these at once
 
     @property
     def multimodal(self) -> bool:
@@ -86,26 +88,29 @@ class ImageInputs:
     # ---- built on first use ----
     @property
     def processor(self) -> MultimodalProcessor:
-        if self._processor is None:
-            self._processor = MultimodalProcessor(self.model_dir, self.limits)
-        return self._processor
+        with self._building:
+            if self._processor is None:
+                self._processor = MultimodalProcessor(self.model_dir, self.limits)
+            return self._processor
 
     def _vision_encoder(self):
-        if self._encoder is None:
-            from engine.vision import VisionEncoder
+        with self._building:
+            if self._encoder is None:
+                from engine.vision import VisionEncoder
 
-            self._encoder = VisionEncoder.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device)
-        return self._encoder
+                self._encoder = VisionEncoder.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device)
+            return self._encoder
 
     @property
     def reader(self):
-        if self._reader is None:
-            from engine.embedding_reader import EmbeddingReader, EmbeddingSpec  # imports nixl
+        with self._building:
+            if self._reader is None:
+                from engine.embedding_reader import EmbeddingReader, EmbeddingSpec  # imports nixl
 
-            s = self.spec
-            expected = EmbeddingSpec(s.tokens_per_image, s.text_hidden_size, self.dtype, s.fingerprint)
-            self._reader = EmbeddingReader(expected, self._key, self._read_timeout_s)
-        return self._reader
+                s = self.spec
+                expected = EmbeddingSpec(s.tokens_per_image, s.text_hidden_size, self.dtype, s.fingerprint)
+                self._reader = EmbeddingReader(expected, self._key, self._read_timeout_s)
+            return self._reader
 
     def _require(self, field: str, what: str) -> None:
         if self.spec is None:

@@ -60,7 +60,8 @@ def server(ray_cluster, llava):
     config = _config(llava, port)
     assert config.has_vision_tower and config.encoder.replicas == 1
     serve.run(build_from_config(config), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
+    assert "encoder" in serve.status().applications[APP].deployments
+    yield f"http://127.0.0.1:{port}", port
     serve.delete(APP)
     serve.shutdown()
     for i in range(config.num_postprocess_workers):
@@ -69,7 +70,7 @@ def server(ray_cluster, llava):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=60, max_retries=0)
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, timeout=60, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -173,13 +174,28 @@ def test_bad_images_are_a_400_naming_the_part_and_reach_no_engine(server, tmp_pa
     auth = {"Authorization": f"Bearer {KEY}"}
     for parts, param, what in _bad_cases(tmp_path):
         body = {"model": "tiny-llava", "messages": [{"role": "user", "content": parts}], "max_tokens": 4}
-        r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=auth, timeout=60)
+        r = httpx.post(f"{server[0]}/v1/chat/completions", json=body, headers=auth, timeout=60)
         assert r.status_code == 400, (what, r.status_code, r.text)
         error = r.json()["error"]
         assert error["param"] == param and what in error["message"], (what, error)
-    r = httpx.post(f"{server}/v1/chat/completions", headers=auth, timeout=60, json={
+    r = httpx.post(f"{server[0]}/v1/chat/completions", headers=auth, timeout=60, json={
         "model": "tiny-llava", "messages": [{"role": "user", "content": [{"type": "input_audio", "x": 1}]}]})
     assert r.status_code == 400 and "messages.0.content" in r.json()["error"]["message"]
     time.sleep(2.5)
     assert _encoder_and_prefill_counters() == before
-    assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{server[0]}/health", timeout=30).status_code == 200
+
+
+def test_colocated_mode_takes_images_too(server, client, llava):
+    config = _config(llava, server[1]).model_copy(update={"mode": "colocated"})
+    serve.run(build_from_config(config), name=f"{APP}-colocated", route_prefix="/colocated")
+    try:
+        colocated = openai.OpenAI(base_url=f"{server[0]}/colocated/v1", api_key=KEY, timeout=60, max_retries=0)
+        messages = [{"role": "user", "content": [image_part(data_url(png(random_images(1, seed=63)[0]))),
+                                                 {"type": "text", "text": "side by side"}]}]
+        kwargs = dict(model="tiny-llava", messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert colocated.chat.completions.create(**kwargs).choices[0].message.content == \
+            client.chat.completions.create(**kwargs).choices[0].message.content
+        assert "prefill" not in serve.status().applications[f"{APP}-colocated"].deployments
+    finally:
+        serve.delete(f"{APP}-colocated")
