@@ -193,7 +193,8 @@ def test_colocated_mode_takes_images_too(server, client, llava):
         colocated = openai.OpenAI(base_url=f"{server[0]}/colocated/v1", api_key=KEY, timeout=60, max_retries=0)
         messages = [{"role": "user", "content": [image_part(data_url(png(random_images(1, seed=63)[0]))),
                                                  {"type": "text", "text": "side by side"}]}]
-        kwargs = dict(model="tiny-llava", messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        kwargs = dict(model="tiny-llava", messages=messages, max_tokens=8, temperature=0,
+                      extra_body={"ignore_eos": True})
         assert colocated.chat.completions.create(**kwargs).choices[0].message.content == \
             client.chat.completions.create(**kwargs).choices[0].message.content
         assert "prefill" not in serve.status().applications[f"{APP}-colocated"].deployments

@@ -96,6 +96,18 @@ def test_n_candidates(llm, trio, ref):
     assert [o.token_ids for o in g.outputs] == [o.token_ids for o in embedded.outputs]
 
 
+def test_a_hit_that_ends_before_an_image_splices_it_in_the_suffix(llm, ref):
+    # The same text before the image, another image: the hit covers only whole blocks before it, and the image's
+    # rows are spliced at their place in the computed suffix.
+    llm.generate(mm(*case("one", seed=70)), GREEDY)
+    text, images = case("one", seed=71)
+    got = llm.generate(mm(text, images), GREEDY)
+    offset = llm.images.processor.process(text, images).ranges[0].offset
+    assert 0 < got.num_cached_tokens <= offset
+    tokens, gaps = ref.greedy(text, images, NEW_TOKENS)
+    assert_same_tokens(got.outputs[0].token_ids, tokens, gaps, "suffix")
+
+
 def test_a_batch_mixes_plain_and_image_prompts(llm, ref):
     (t1, i1), (t2, _) = case("one", seed=3), case("text_only")
     got = llm.generate([mm(t1, i1), t2, {"prompt": t2}], GREEDY, use_tqdm=False)
