@@ -1,7 +1,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-MODEL ?= models/tiny-llama
+MODEL ?= models/tiny-llava
+ARCH ?= llava
 
 .PHONY: test serve demo bench install clean cluster-demo
 
@@ -16,12 +17,12 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 $(MODEL)/config.json: | $(BIN)/.installed
-	$(BIN)/python -m engine.tiny $(MODEL)
+	$(BIN)/python -m engine.tiny $(MODEL) --arch $(ARCH)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests
 
-# The whole disaggregated path on this machine: 1 prefill, 1 decode, the OpenAI ingress on 127.0.0.1:8000.
+# The whole disaggregated path on this machine: 1 encoder, 1 prefill, 1 decode, the OpenAI ingress on 127.0.0.1:8000.
 serve: $(BIN)/.installed $(MODEL)/config.json
 	$(BIN)/raypd serve configs/local.yaml
 

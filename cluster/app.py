@@ -15,7 +15,7 @@ from ray.experimental import internal_kv
 
 from cluster.config import RaypdConfig, Role, load_config, parse_config
 from cluster.ingress import Ingress
-from cluster.replicas import DecodeReplica, PrefillReplica
+from cluster.replicas import DecodeReplica, EncoderReplica, PrefillReplica
 from cluster.request_router import router_config
 from postproc.actor import PostprocActor
 
@@ -36,7 +36,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 
 def build_from_config(config: RaypdConfig) -> serve.Application:
-    engine = dataclasses.replace(config.engine_config(), cluster_key=cluster_key())
+    key = cluster_key()
+    engine = dataclasses.replace(config.engine_config(), cluster_key=key)
     postprocs = start_postprocs(config)
     ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=_START_TIMEOUT_S)  # all started
     routing = router_config(config.router.policy.value)
@@ -51,10 +52,22 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     # The key is read here, where the config was loaded: an api_key_env variable need not exist on replica nodes.
     # Roles' scaling is left out of the ingress's arguments: a redeploy that only rescales then changes no replica's
     # arguments, and Serve adds or removes replicas without restarting the others.
-    ingress_config = config.model_copy(update={role: Role() for role in ("prefill", "decode", "postproc", "ingress")})
+    ingress_config = config.model_copy(update={role: Role() for role in ("prefill", "decode", "postproc", "ingress",
+                                                                           "encoder")})
     prefill_app = None if config.mode == "colocated" else prefill.bind(config.model, engine, postprocs)
     return ingress.bind(ingress_config, prefill_app, decode.bind(config.model, engine, postprocs),
-                        config.http.api_key_value(), postprocs)
+                        config.http.api_key_value(), postprocs, encoder_app(config, key))
+
+
+def encoder_app(config: RaypdConfig, key: bytes):
+    """The encoder deployment, only for a model with a vision tower (load_vision_spec refuses unsupported towers by
+    name here, before anything starts)."""
+    from engine.vision import load_vision_spec
+
+    if not config.has_vision_tower or load_vision_spec(config.model) is None:
+        return None
+    encoder = serve.deployment(EncoderReplica, name="encoder").options(**config.encoder.deployment_options())
+    return encoder.bind(config.model, config.encoder_config(key))
 
 
 def start_postprocs(config: RaypdConfig) -> list:

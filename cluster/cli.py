@@ -42,6 +42,14 @@ def _validate(args: argparse.Namespace) -> int:
     print(f"  model {config.model_name} ({config.model}), dtype {config.dtype}, {e.device}, KV pool {pool}")
     for name in ("prefill", "decode", "postproc", "ingress"):
         print(f"  {name}: {_describe_role(getattr(config, name))}")
+    if config.has_vision_tower:
+        m = config.multimodal
+        urls = ", ".join(["data:"] + ["http(s)://"] * m.allow_remote_urls
+                         + [f"file:// under {m.allowed_local_media_path}"] * bool(m.allowed_local_media_path))
+        print(f"  encoder: {_describe_role(config.encoder)}; cache {m.encoder_cache_bytes.human_readable()} "
+              f"each; image URLs: {urls}")
+    else:
+        print("  encoder: not started (the model has no vision tower)")
     print(f"  router {config.router.policy.value}; http {config.http.host}:{config.http.port}"
           f"{' (API key required)' if config.http.api_key_value() else ''}")
     return 0

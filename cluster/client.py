@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from cluster.owner import NotAccepted, RequestOwner
 from cluster.router import Router
-from llmapi.batch import Prompt, as_prompt_list, wait_all
+from engine.multimodal import MultimodalProcessor
+from llmapi.batch import Prompt, as_prompt_list, split_prompt, wait_all
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import Resume
 from llmapi.result import RequestOutput
@@ -26,14 +27,25 @@ class ActorRoles:
     """Roles on plain Ray actors: this owner routes each call to the least loaded worker of the role (by the tokens
     it has sent there), skipping workers it has seen die."""
 
-    def __init__(self, prefill: list[Any], decode: list[Any]):
+    def __init__(self, prefill: list[Any], decode: list[Any], encoder: list[Any] = ()):
         self.routers = {"prefill": Router(prefill, "prefill"), "decode": Router(decode, "decode")}
+        self.encoder_router = Router(list(encoder), "encoder") if encoder else None
         self.colocated = False
         self._dead: set[Any] = set()
 
-    def prefill(self, request_id: int, result: RequestOutput) -> AsyncIterator:
+    async def encode(self, result: RequestOutput, images: tuple) -> DisaggregatedParams:
+        if self.encoder_router is None:
+            raise ValueError("this client was given no encoder workers: it takes no images")
+        i = self.encoder_router.pick(len(images))
+        try:
+            return await self.encoder_router.workers[i].encode.remote(list(images))
+        finally:
+            self.encoder_router.release(i, len(images))
+
+    def prefill(self, request_id: int, result: RequestOutput, images: DisaggregatedParams | None = None
+                ) -> AsyncIterator:
         return self._stream("prefill", "prefill", len(result.prompt_token_ids), request_id,
-                            result.prompt_token_ids, result.sampling_params)
+                            result.prompt_token_ids, result.sampling_params, images)
 
     def generate(self, role: str, request_id: int, result: RequestOutput, params: DisaggregatedParams | None,
                  resume: Resume | None) -> AsyncIterator:
@@ -63,9 +75,14 @@ class ActorRoles:
 
 
 class DisaggregatedClient:
-    def __init__(self, prefill: list[Any], decode: list[Any], tokenizer_dir: str, request_timeout_s: float = 300.0):
+    """encoder: encoder actors, for a model with a vision tower: prompt dicts with multi_modal_data then work (the
+    images are decoded and hashed here, encoded there, read by the prefill actor)."""
+
+    def __init__(self, prefill: list[Any], decode: list[Any], tokenizer_dir: str, request_timeout_s: float = 300.0,
+                 encoder: list[Any] = ()):
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.owner = RequestOwner(ActorRoles(prefill, decode), self.tokenizer, request_timeout_s)
+        self.processor = MultimodalProcessor(tokenizer_dir) if encoder else None
+        self.owner = RequestOwner(ActorRoles(prefill, decode, encoder), self.tokenizer, request_timeout_s)
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._aloop.run_forever, name="raypd-owner", daemon=True)
         self._thread.start()
@@ -79,8 +96,16 @@ class DisaggregatedClient:
 
     def generate_async(self, inputs: Prompt, sampling_params: SamplingParams | None = None,
                        streaming: bool = False) -> RequestOutput:
-        result, record = self.owner.create(inputs, sampling_params or SamplingParams(), streaming)
-        asyncio.run_coroutine_threadsafe(self.owner.run(result, record), self._aloop)
+        prompt, images = split_prompt(inputs)
+        text, items = None, ()
+        if images:
+            if self.processor is None:
+                raise ValueError("multi_modal_data: this client has no encoder workers; it takes no images")
+            mm = self.processor.process(prompt, images)
+            text = prompt if isinstance(prompt, str) else None
+            prompt, items = list(mm.token_ids), mm.images
+        result, record = self.owner.create(prompt, sampling_params or SamplingParams(), streaming, text=text)
+        asyncio.run_coroutine_threadsafe(self.owner.run(result, record, items), self._aloop)
         return result
 
     def shutdown(self) -> None:

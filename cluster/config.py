@@ -8,6 +8,7 @@ falling back to a default is the failure this schema exists to prevent. `raypd c
 from __future__ import annotations
 
 import enum
+import json
 import os
 import pathlib
 from typing import Any, Literal
@@ -118,6 +119,39 @@ class EngineSettings(_Strict):
         return self
 
 
+class MultimodalSettings(_Strict):
+    """Images at the edge (limits, which URLs are fetched) and the encoder role's cache. Used only when the model has
+    a vision tower."""
+
+    max_image_bytes: ByteSize = Field(20 * 2**20, description="Largest encoded image accepted, e.g. 20MiB.")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, le=89_000_000, description="Largest width * height accepted "
+                                  "(checked from the header, before decoding; PIL's bomb limit is ~89M).")
+    max_images_per_request: int = Field(16, ge=1, description="Most image parts in one request.")
+    allow_remote_urls: bool = Field(False, description="Fetch http:// and https:// image URLs (the ingress makes the "
+                                                       "request: off by default). Off: only data: URLs.")
+    allowed_local_media_path: str | None = Field(
+        None, description="Serve file:// image URLs from under this directory only; unset: file:// is refused.")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="Budget to fetch one remote image.")
+    encoder_cache_bytes: ByteSize = Field(256 * 2**20, description="Each encoder replica's embedding arena (also "
+                                                                   "its cache): as many images as this holds.")
+    embedding_lease_s: float = Field(30.0, ge=1, description="How long an encoder holds an image's embeddings for "
+                                                             "the prefill side before they may be evicted.")
+
+    @field_validator("max_image_bytes", "encoder_cache_bytes")
+    @classmethod
+    def _positive(cls, value: ByteSize) -> ByteSize:
+        if value < 1:
+            raise ValueError("must be >= 1 byte")
+        return value
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _local_dir(cls, value: str | None) -> str | None:
+        if value is not None and not pathlib.Path(value).expanduser().is_dir():
+            raise ValueError(f"no directory at {value!r}")
+        return None if value is None else str(pathlib.Path(value).expanduser().resolve())
+
+
 class RouterPolicy(str, enum.Enum):
     LEAST_QUEUED_TOKENS = "least_queued_tokens"
     POWER_OF_TWO_CHOICES = "power_of_two_choices"  # Serve's default: the shorter queue of two random replicas
@@ -201,6 +235,10 @@ class RaypdConfig(_Strict):
     postproc: Role = Field(default_factory=Role, description="Post-processing workers "
                            "(detokenize, stop strings). A fixed count: requests go to worker `id % replicas`.")
     ingress: Role = Field(default_factory=Role, description="OpenAI endpoint replicas; each owns its requests.")
+    encoder: Role = Field(default_factory=Role, description="Multimodal encoder replicas (vision tower + projector, "
+                          "embeddings read by prefill over NIXL); started only when the model has a vision tower.")
+    multimodal: MultimodalSettings = Field(default_factory=MultimodalSettings,
+                                           description="Image limits, URL policy and the encoder cache.")
     router: RouterSettings = Field(default_factory=RouterSettings, description="Replica choice per request.")
     http: HttpSettings = Field(default_factory=HttpSettings, description="The OpenAI-compatible HTTP endpoint.")
     post_processor_hook: str | None = Field(None, description="Import path `module.Class` of a postproc.hooks."
@@ -239,6 +277,22 @@ class RaypdConfig(_Strict):
     @property
     def num_postprocess_workers(self) -> int:
         return self.postproc.replicas or 1
+
+    @property
+    def has_vision_tower(self) -> bool:
+        """Whether the checkpoint has an image side (a vision_config): then the encoder role starts. Read from
+        config.json alone, so `raypd validate` answers without loading the model."""
+        return "vision_config" in json.loads((pathlib.Path(self.model) / "config.json").read_text())
+
+    def encoder_config(self, cluster_key: bytes | None = None) -> Any:
+        """The engine.encoder.EncoderConfig every encoder replica is built with: the engines' dtype, device and
+        threads (prefill splices the embeddings in the dtype they were made in)."""
+        from engine.encoder import EncoderConfig
+
+        e, m = self.engine, self.multimodal
+        return EncoderConfig(dtype=None if self.dtype == "auto" else self.dtype, device=e.device,
+                             num_threads=e.num_threads, cache_bytes=int(m.encoder_cache_bytes),
+                             lease_s=m.embedding_lease_s, cluster_key=cluster_key)
 
     def engine_config(self, cluster_key: bytes | None = None) -> Any:
         """The engine.engine.EngineConfig every prefill and decode engine of this deployment is built with."""

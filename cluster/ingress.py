@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from cluster.config import RaypdConfig
 from cluster.directory import Directory
 from cluster.edge import Admission, EdgeError, EdgeGate, EdgeLimits, Ticket
+from cluster.edge_images import BadImage, EdgeImages
 from cluster.lanes import OwnerLanes
 from cluster.metrics import Metrics
 from cluster.openai_format import Formatter, error_body
@@ -57,14 +58,16 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, config: RaypdConfig, prefill, decode, api_key: str | None, postprocs: list):
+    def __init__(self, config: RaypdConfig, prefill, decode, api_key: str | None, postprocs: list, encoder=None):
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.limits = EdgeLimits.of(self.config, self.tokenizer)
+        # Images are decoded, checked and hashed here, once; only a model with an encoder role takes them.
+        self.images = EdgeImages(config.model, config.multimodal) if encoder is not None else None
         self.admission = Admission(config.limits)
         app.state.max_body_bytes = int(config.limits.max_body_bytes)  # read by EdgeGate before any parsing
         app.state.admission = self.admission
-        self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s)
+        self.owner = RequestOwner(ServeRoles(prefill, decode, encoder), self.tokenizer, self.config.request_timeout_s)
         self._lanes = self._open_lanes(postprocs)
         self.owner.lanes = self._lanes
         self.metrics = Metrics()
@@ -119,14 +122,26 @@ class Ingress:
         self.limits.check_count(len(body.messages), self.config.limits.max_messages_per_request, "messages",
                                 "messages")
         params = self._params(body, body.max_completion_tokens or body.max_tokens, body.logprob_count())
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        for i, m in enumerate(messages):
-            self.limits.check_text_length(m["content"], f"messages.{i}.content")
+        parts = [(f"messages[{i}].content[{j}]", p.image_url.url) for i, m in enumerate(body.messages)
+                 for j, p in m.image_parts()]
+        if parts and self.images is None:
+            raise EdgeError(400, f"{parts[0][0]}: model {self.config.model_name!r} is text-only; it takes no images",
+                            param=parts[0][0])
+        for i, m in enumerate(body.messages):
+            self.limits.check_text_length(m.text(), f"messages.{i}.content")
+        messages = [{"role": m.role, "content": m.template_content() if self.images else m.text()}
+                    for m in body.messages]
         text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
                                        tokenize=False)
         ids = await self._encode(text, "messages", add_special_tokens=False)
+        images = ()
+        if parts:
+            try:
+                ids, images = await self.images.prepare(ids, parts)
+            except BadImage as exc:
+                raise EdgeError(400, str(exc), param=exc.param) from None
         fmt = Formatter(True, self.config.model_name, self.tokenizer, body.top_logprobs or 0)
-        return await self._serve([(text, ids)], params, body, fmt)
+        return await self._serve([(text, ids)], params, body, fmt, [images])
 
     # ---- the edge ----
     def _admit_request(self, request: Request, model: str) -> None:
@@ -160,14 +175,21 @@ class Ingress:
             raise EdgeError(400, str(exc)) from None
 
     # ---- serving ----
-    async def _serve(self, prompts, params: SamplingParams, body, fmt: Formatter):
-        for _, ids in prompts:
+    async def _serve(self, prompts, params: SamplingParams, body, fmt: Formatter, images: list | None = None):
+        """images: per prompt, its images (engine.multimodal.ImageItem; the prompt's placeholders expanded)."""
+        images = images or [()] * len(prompts)
+        for (_, ids), imgs in zip(prompts, images):
             self.limits.check(ids, params)
+            if self.images is not None and not imgs:
+                try:
+                    self.images.check_text(ids, "messages" if fmt.chat else "prompt")
+                except BadImage as exc:
+                    raise EdgeError(400, str(exc), param=exc.param) from None
         ticket = self.admission.admit(sum(len(ids) + params.max_tokens * params.num_candidates for _, ids in prompts))
         try:
             created = [self.owner.create(ids, params, streaming=body.stream, text=text) for text, ids in prompts]
-            for result, record in created:
-                asyncio.ensure_future(self.owner.run(result, record))
+            for (result, record), imgs in zip(created, images):
+                asyncio.ensure_future(self.owner.run(result, record, imgs))
         except BaseException:
             self.admission.release(ticket)
             raise

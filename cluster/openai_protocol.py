@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -110,12 +110,37 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str = Field(min_length=1, description="data:image/...;base64,... (http(s):// and file:// only where the "
+                                               "deployment allows them).")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="Accepted and ignored.")
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
+
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """(index in content, part) of each image part."""
+        if isinstance(self.content, str):
+            return []
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
+
+    def template_content(self) -> str | list[dict]:
+        """The content as a chat template of an image model takes it: text, or parts with {"type": "image"}."""
+        if isinstance(self.content, str):
+            return self.content
+        return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in self.content]
 
 
 class ChatCompletionRequest(_Sampling):

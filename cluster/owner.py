@@ -50,13 +50,19 @@ LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, Post
 
 
 class Roles(Protocol):
-    """How an owner reaches the workers. Each call streams Accepted first. role: "prefill" or "decode" (a prefill
-    worker serves whole requests too). colocated: there is no prefill role."""
+    """How an owner reaches the workers. Each call but encode streams Accepted first. role: "prefill" or "decode" (a
+    prefill worker serves whole requests too). colocated: there is no prefill role."""
 
     colocated: bool
 
-    def prefill(self, request_id: int, result: RequestOutput) -> AsyncIterator[Accepted | EngineResponse]:
-        """Accepted, then the context-only response (first tokens; a Handoff unless every candidate ended)."""
+    async def encode(self, result: RequestOutput, images: tuple) -> DisaggregatedParams:
+        """The embedding handles and content hashes of the request's images (engine.multimodal.ImageItem, decoded
+        and hashed by the owner), from an encoder worker it picked."""
+
+    def prefill(self, request_id: int, result: RequestOutput, images: DisaggregatedParams | None = None
+                ) -> AsyncIterator[Accepted | EngineResponse]:
+        """Accepted, then the context-only response (first tokens; a Handoff unless every candidate ended); the
+        worker reads the images' embeddings the encoder's handles name."""
 
     def generate(self, role: str, request_id: int, result: RequestOutput, params: DisaggregatedParams | None,
                  resume: Resume | None) -> AsyncIterator[Accepted | EngineResponse]:
@@ -82,6 +88,7 @@ class _Serving:
     result: RequestOutput
     record: DetokenizedGenerationResultBase  # post-processing when tokens come straight from the engine
     engine_id: int  # the request's id on the engines; a resumed request gets a new one
+    images: tuple = ()  # the prompt's images (engine.multimodal.ImageItem), placeholders expanded in the prompt
     holders: dict[str, tuple[tuple, int]] = field(default_factory=dict)  # role -> (control pipe, engine id)
     serving_role: str = "decode"
     direct: bool = False  # tokens come straight from the engine, not through the postproc workers
@@ -122,10 +129,11 @@ class RequestOwner:
         return DetokenizedGenerationResultBase(result.request_id, result.prompt_token_ids, result.sampling_params,
                                                self.tokenizer, result.streaming)
 
-    async def run(self, result: RequestOutput, record: DetokenizedGenerationResultBase) -> None:
-        """Serves one request to its end; every failure reaches the result as an error that says where."""
+    async def run(self, result: RequestOutput, record: DetokenizedGenerationResultBase, images: tuple = ()) -> None:
+        """Serves one request to its end; every failure reaches the result as an error that says where. images:
+        the prompt's images (engine.multimodal.ImageItem), whose placeholders result.prompt_token_ids has expanded."""
         self._loop = asyncio.get_running_loop()
-        s = self._serving[result.request_id] = _Serving(result, record, result.request_id)
+        s = self._serving[result.request_id] = _Serving(result, record, result.request_id, tuple(images))
         try:
             await asyncio.wait_for(self._serve(s), self.request_timeout_s)
         except asyncio.TimeoutError:
@@ -159,8 +167,10 @@ class RequestOwner:
     async def _prefill(self, s: _Serving) -> DisaggregatedParams | None | bool:
         """The generation-only params to decode with; None: decode it whole (prefill role lost); False: done."""
         ctx = None
+        # Images go to an encoder first; only their handles travel on (DESIGN.md, "One request, end to end").
+        images = await self.roles.encode(s.result, s.images) if s.images else None
         try:
-            async for item in _accepted_within(self.roles.prefill(s.engine_id, s.result), ACCEPT_TIMEOUT_S):
+            async for item in _accepted_within(self.roles.prefill(s.engine_id, s.result, images), ACCEPT_TIMEOUT_S):
                 if isinstance(item, Accepted):
                     self._hold(s, "prefill", item)
                 else:
@@ -183,6 +193,8 @@ class RequestOwner:
 
     async def _decode(self, s: _Serving, params: DisaggregatedParams | None) -> None:
         role, resume, last_error = "decode", None, ""
+        if params is None and s.images:
+            params = await self._whole(s)
         for attempt in range(MAX_ATTEMPTS):
             try:
                 await self._generate(s, role, params, resume)
@@ -195,9 +207,10 @@ class RequestOwner:
                 last_error = _lost(role, exc)
                 if isinstance(exc, (PostprocLost, PostprocUnreachable)):
                     s.direct = True  # its postproc path failed: the rest comes straight to this owner
-                resume, params = self._resume(s), None
+                resume = self._resume(s)
                 if resume is None:
                     return
+                params = await self._whole(s) if s.images else None
                 self.counters["resumed"] += 1
                 # A role whose replica did not even take the call is down for now: the other role serves it
                 # whole (every engine can). A call that was taken and then lost is tried on the same role again.
@@ -297,6 +310,13 @@ class RequestOwner:
         holder = s.holders.get(role)
         if holder is not None and holder[1] == s.engine_id:
             self.control.send(holder[0], Abort(s.engine_id))
+
+    async def _whole(self, s: _Serving) -> DisaggregatedParams:
+        """What an engine serving the request whole needs of its images: fresh embedding handles (the encoder's
+        cache makes a repeat cheap)."""
+        mm = await self.roles.encode(s.result, s.images)
+        return DisaggregatedParams(multimodal_embedding_handles=mm.multimodal_embedding_handles,
+                                   multimodal_hashes=mm.multimodal_hashes)
 
     def _resume(self, s: _Serving) -> Resume | None:
         """The request's unfinished candidates as far as this owner has them; a new engine id and record."""

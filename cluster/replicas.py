@@ -1,4 +1,5 @@
-"""The prefill and decode roles as Serve replicas: the workers themselves, plus membership in the replica directory.
+"""The encoder, prefill and decode roles as Serve replicas: the workers themselves, plus membership in the replica
+directory.
 
 A replica publishes its engine card and stats every directory.PERIOD_S. A decode replica meets every prefill replica
 it finds there before it serves (and each one Serve adds later, within a period), so an incompatible pair is refused
@@ -15,6 +16,8 @@ from ray import serve
 
 from cluster.directory import PERIOD_S, Directory
 from decode.worker import DecodeWorker
+from encoder.worker import EncoderWorker
+from engine.encoder import EncoderConfig
 from engine.engine import EngineConfig
 from postproc.pipes import PipeAddr
 from prefill.worker import PrefillWorker
@@ -34,7 +37,7 @@ class Membership:
     """A background thread that keeps `worker` in the directory under `role`, meeting the replicas of `meets`, and
     follows the postproc workers to their new pipes when Ray restarts them."""
 
-    def __init__(self, worker: DecodeWorker, role: str, meets: str | None, postprocs: list):
+    def __init__(self, worker: DecodeWorker | EncoderWorker, role: str, meets: str | None, postprocs: list):
         self.worker, self.role, self.meets, self.postprocs = worker, role, meets, postprocs
         replica = serve.get_replica_context().replica_id
         self.directory = Directory(replica.deployment_id.app_name)  # the replicas of this Serve application
@@ -111,6 +114,18 @@ class DecodeReplica(DecodeWorker):
         postprocs = list(postprocs or [])
         super().__init__(model_dir, config, postproc_addrs(postprocs))
         self._membership = Membership(self, "decode", "prefill", postprocs)
+
+    def __del__(self):
+        if hasattr(self, "_membership"):
+            self._membership.leave()
+
+
+class EncoderReplica(EncoderWorker):
+    """Listed in the directory for its stats only: prefill workers reach its arena through the handles it makes."""
+
+    def __init__(self, model_dir: str, config: EncoderConfig):
+        super().__init__(model_dir, config)
+        self._membership = Membership(self, "encoder", None, [])
 
     def __del__(self):
         if hasattr(self, "_membership"):

@@ -13,12 +13,20 @@ from llmapi.result import RequestOutput
 
 
 class ServeRoles:
-    def __init__(self, prefill, decode):
+    def __init__(self, prefill, decode, encoder=None):
         self.colocated = prefill is None
         self._handles = {"prefill": prefill, "decode": decode}
+        self._encoder = encoder
 
-    def prefill(self, request_id: int, result: RequestOutput) -> AsyncIterator:
-        return self._stream("prefill", "prefill", request_id, result.prompt_token_ids, result.sampling_params)
+    async def encode(self, result: RequestOutput, images: tuple) -> DisaggregatedParams:
+        if self._encoder is None:
+            raise ValueError("this deployment has no encoder role: the model has no vision tower")
+        return await self._encoder.encode.remote(list(images))
+
+    def prefill(self, request_id: int, result: RequestOutput, images: DisaggregatedParams | None = None
+                ) -> AsyncIterator:
+        return self._stream("prefill", "prefill", request_id, result.prompt_token_ids, result.sampling_params,
+                            images)
 
     def generate(self, role: str, request_id: int, result: RequestOutput, params: DisaggregatedParams | None,
                  resume: Resume | None) -> AsyncIterator:

@@ -162,5 +162,6 @@ def _node_ip() -> str:
 
 
 def _check_generation_only(params: DisaggregatedParams | None) -> None:
-    if params is not None and params.request_type != "generation_only":
-        raise ValueError(f"a decode worker takes generation_only requests, got {params.request_type!r}")
+    # colocated: whole requests, which may bring embedding handles (no request_type but the default)
+    if params is not None and params.request_type not in ("generation_only", "context_and_generation"):
+        raise ValueError(f"a decode worker takes generation_only or whole requests, got {params.request_type!r}")

@@ -85,8 +85,12 @@ class LLMEngine:
         return self.output.update(out, model_out)
 
     def _poll_kv_connector(self) -> None:
-        """Reads that ended start their candidates from the prefill side's first tokens; ended leases are freed."""
-        self.output.start_generation(self.scheduler.update_from_connector(self.connector.poll()))
+        """Reads that ended start their candidates from the prefill side's first tokens; ended leases are freed;
+        a request whose read failed and that cannot recompute its prompt here ends with the reason."""
+        started, failed = self.scheduler.update_from_connector(self.connector.poll())
+        self.output.start_generation(started)
+        for seq, why in failed:
+            self.output.fail(seq.request, why)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.output.has_pending
@@ -94,12 +98,15 @@ class LLMEngine:
     # ---- requests in and out ----
     def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                     disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True,
-                    mm_items: tuple[MultimodalItem, ...] = (), resume: Resume | None = None) -> None:
+                    mm_items: tuple[MultimodalItem, ...] = (), mm_embeddings: tuple[torch.Tensor, ...] = (),
+                    resume: Resume | None = None) -> None:
         """Queues a request; raises ValueError naming what is wrong with it.
 
-        context_only: prefill, sample the first token of each candidate, then end with a Handoff (the prompt's blocks
-        held under a lease). generation_only: read those blocks and decode; the first tokens are emitted again
-        unless echo_first_tokens is False (an owner that already streamed them). resume: continue the given
+        mm_items / mm_embeddings: each image's place in the prompt and its (length, hidden) embeddings, spliced at
+        those positions. context_only: prefill, sample the first token of each candidate, then end with a Handoff
+        (the prompt's blocks held under a lease; the KV handle carries the items, never the embeddings).
+        generation_only: read those blocks and decode, keyed by the handle's items; the first tokens are emitted
+        again unless echo_first_tokens is False (an owner that already streamed them). resume: continue the given
         candidates from their tokens so far (computed here again; only new tokens are emitted).
         """
         if request_id in self.requests:
@@ -107,10 +114,13 @@ class LLMEngine:
         self._validate(prompt_token_ids, params)
         kind = disaggregated_params.request_type if disaggregated_params else REQUEST_KINDS[0]
         req = EngineRequest(request_id, list(prompt_token_ids), params, kind, cache_salt=params.cache_salt,
-                            mm_items=tuple(mm_items), echo_first_tokens=echo_first_tokens)
+                            mm_items=tuple(mm_items), mm_embeddings=tuple(mm_embeddings),
+                            echo_first_tokens=echo_first_tokens)
         if kind == "generation_only":
             self._attach_kv_source(req, disaggregated_params)
-        elif kind == "context_only":
+        else:
+            self._validate_images(req)
+        if kind == "context_only":
             self.connector.card()  # fails now, not after the prefill, if this engine cannot hand KV over
         if resume is not None:
             self._resume(req, resume)
@@ -144,6 +154,10 @@ class LLMEngine:
         count = req.sampling_params.num_candidates
         if len(params.first_gen_tokens) != count:
             raise ValueError(f"first_gen_tokens has {len(params.first_gen_tokens)} tokens for {count} candidates")
+        items = tuple(MultimodalItem(tuple(h), offset, length) for h, offset, length in handle.mm_items)
+        if req.mm_items and req.mm_items != items:
+            raise ValueError("mm_items differ from the images the KV handle was computed with")
+        req.mm_items = items  # the prompt's images key this engine's prefix cache as they keyed the prefill side's
         logprobs = handle.first_logprobs or (0.0,) * count
         tops = handle.first_top_logprobs or ((),) * count
         req.kv_source = handle
@@ -202,6 +216,21 @@ class LLMEngine:
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_waiting_for_kv": len(self.scheduler.waiting_for_kv), "num_preemptions": self.scheduler.num_preemptions,
                 "num_reprefills": self.scheduler.num_reprefills, **kv.extra}
+
+    def _validate_images(self, req: EngineRequest) -> None:
+        """Items in prompt order inside the prompt, each with its (length, hidden) embeddings."""
+        if len(req.mm_embeddings) != len(req.mm_items):
+            raise ValueError(f"{len(req.mm_items)} image(s) in mm_items but {len(req.mm_embeddings)} embedding "
+                             "tensor(s): a prompt's images need their embeddings here")
+        end = 0
+        for i, (item, emb) in enumerate(zip(req.mm_items, req.mm_embeddings)):
+            if item.length < 1 or item.offset < end or item.end > req.num_prompt_tokens:
+                raise ValueError(f"image {i} at positions [{item.offset}, {item.end}) is not inside the prompt "
+                                 f"({req.num_prompt_tokens} tokens) after the previous image")
+            if tuple(emb.shape) != (item.length, self.spec.hidden_size):
+                raise ValueError(f"image {i}: embeddings of shape {tuple(emb.shape)}, expected "
+                                 f"({item.length}, {self.spec.hidden_size})")
+            end = item.end
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:

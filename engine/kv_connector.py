@@ -82,9 +82,10 @@ class KVConnector(ABC):
 
     @abstractmethod
     def hold(self, request_id: int, block_ids: list[int], num_tokens: int, first_logprobs: tuple,
-             first_top_logprobs: tuple) -> bytes:
+             first_top_logprobs: tuple, mm_items: tuple = ()) -> bytes:
         """Starts a lease on a finished context-only request's prompt blocks (the scheduler keeps them allocated)
-        and returns the signed handle naming them (opaque_state). Mutates the lease table."""
+        and returns the signed handle naming them (opaque_state), which carries the prompt's images (mm_items:
+        engine.request.MultimodalItem). Mutates the lease table."""
 
     @abstractmethod
     def end_lease(self, request_id: int) -> bool:
@@ -132,7 +133,7 @@ class NullConnector(KVConnector):
     def open_handle(self, opaque_state: bytes) -> KVHandle:
         raise ValueError(_NO_KV_TRANSFER)
 
-    def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs) -> bytes:
+    def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs, mm_items=()) -> bytes:
         raise ValueError(_NO_KV_TRANSFER)
 
     def end_lease(self, request_id: int) -> bool:

@@ -45,29 +45,49 @@ class KVHandle:
     lease_id: str = ""  # random, per lease: what a release message names
     first_logprobs: tuple[float, ...] = ()  # per candidate: the first token's logprob
     first_top_logprobs: tuple[tuple[tuple[int, float, int], ...], ...] = ()  # per candidate: (token, logprob, rank)
+    # The prompt's images as (content hash, offset, length): the decode side keys its prefix cache with them, so
+    # text-identical prompts with other images never share blocks there either. Never their embeddings.
+    mm_items: tuple[tuple[tuple[int, ...], int, int], ...] = ()
 
     def sign(self, key: bytes | None) -> bytes:
         body = dataclasses.asdict(self)
         body["transport_info"] = base64.b64encode(self.transport_info).decode()
-        payload = json.dumps(body, sort_keys=True).encode()
-        return _mac(key, payload) + payload
+        return sign_json(body, key, _CONTEXT)
 
     @classmethod
     def open(cls, blob: bytes, key: bytes | None) -> "KVHandle":
         """Verifies the signature, then parses. Raises InvalidHandle."""
-        if not isinstance(blob, (bytes, bytearray)) or len(blob) < 32:
-            raise InvalidHandle("opaque_state is not a KV handle")
-        mac, payload = bytes(blob[:32]), bytes(blob[32:])
-        if not hmac.compare_digest(mac, _mac(key, payload)):
-            raise InvalidHandle("opaque_state signature check failed: the handle was altered or made by an engine "
-                                "with another cluster key")
-        body = json.loads(payload)
+        body = open_json(blob, key, _CONTEXT, "opaque_state", "KV handle")
         body["transport_info"] = base64.b64decode(body["transport_info"])
         body["layout"] = KVLayout(**body["layout"])
         body["block_ids"], body["generations"] = tuple(body["block_ids"]), tuple(body["generations"])
         body["first_logprobs"] = tuple(body["first_logprobs"])
         body["first_top_logprobs"] = tuple(tuple(tuple(t) for t in top) for top in body["first_top_logprobs"])
+        body["mm_items"] = tuple((tuple(h), offset, length) for h, offset, length in body.get("mm_items", ()))
         return cls(**body)
+
+
+def sign_json(body: dict, key: bytes | None, context: bytes) -> bytes:
+    """MAC (32 bytes, under key and a per-kind context) + the body as canonical JSON."""
+    payload = json.dumps(body, sort_keys=True).encode()
+    return _mac(key, payload, context) + payload
+
+
+def open_json(blob: bytes, key: bytes | None, context: bytes, field: str, kind: str) -> dict:
+    """The body of what sign_json made with the same key and context; InvalidHandle naming `field` otherwise."""
+    if not isinstance(blob, (bytes, bytearray)) or len(blob) < 32:
+        raise InvalidHandle(f"{field} is not a {kind}")
+    mac, payload = bytes(blob[:32]), bytes(blob[32:])
+    if not hmac.compare_digest(mac, _mac(key, payload, context)):
+        raise InvalidHandle(f"{field} signature check failed: the handle was altered or made by an engine "
+                            "with another cluster key")
+    try:
+        body = json.loads(payload)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise InvalidHandle(f"{field} is not a {kind}")
+    return body
 
 
 def _mac(key: bytes | None, payload: bytes, context: bytes = _CONTEXT) -> bytes:

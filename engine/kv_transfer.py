@@ -285,14 +285,16 @@ class _Peer:
 
 
 class NixlTransport(KVTransport):
-    """KVTransport over one NIXL agent (UCX backend) that has the whole arena of `kv_cache` registered, and, when
-    given, the block manager's `generations` (int64, (num_blocks,), CPU) for peers to validate their reads."""
+    """KVTransport over one NIXL agent (UCX backend) that has a whole arena of equal entries registered (a KVCache's
+    blocks, or any contiguous tensor whose first dimension indexes entries: the encoder's embedding slots), and, when
+    given, one int64 generation number per entry ((num_entries,), CPU) for peers to validate their reads."""
 
-    def __init__(self, name: str, kv_cache: KVCache, generations: torch.Tensor | None = None):
-        _check_memory(kv_cache, generations)
+    def __init__(self, name: str, arena: KVCache | torch.Tensor, generations: torch.Tensor | None = None):
+        tensor = arena.arena if isinstance(arena, KVCache) else arena
+        _check_memory(tensor, generations)
         self.name = name
-        self._num_blocks = kv_cache.num_blocks
-        self._block_bytes = kv_cache.layout.block_bytes
+        self._num_blocks = tensor.shape[0]
+        self._block_bytes = tensor.nbytes // self._num_blocks
         # (num_blocks,) where reads of a peer's generation numbers land
         self.generation_scratch = None if generations is None else torch.zeros_like(generations)
         self._peers: dict[str, _Peer] = {}
@@ -300,7 +302,7 @@ class NixlTransport(KVTransport):
         self._inflight: set[ReadHandle] = set()
         self._closed = False
         self._agent = make_nixl_agent(name)
-        exposed = self._register(kv_cache.arena, generations)
+        exposed = self._register(tensor, generations)
         self._local = {BLOCKS: self._prep("", exposed[BLOCKS])}
         if generations is not None:
             self._local[GENERATIONS] = self._prep("", _Region.of(self.generation_scratch, self._num_blocks))
@@ -308,7 +310,7 @@ class NixlTransport(KVTransport):
         self._info = TransportInfo(name, self._agent.getLocalMD(), blocks.base_addr, self._block_bytes,
                                    self._num_blocks, blocks.mem_type, blocks.device_id,
                                    exposed[GENERATIONS].base_addr if generations is not None else 0)
-        self._memory = (kv_cache.arena, generations)  # registered memory must outlive the agent's use of it
+        self._memory = (tensor, generations)  # registered memory must outlive the agent's use of it
 
     def _register(self, arena: torch.Tensor, generations: torch.Tensor | None) -> dict[str, _Region]:
         """Registers the arena (and generations + scratch); must precede getLocalMD, which describes them."""
@@ -501,10 +503,11 @@ class NixlTransport(KVTransport):
             raise TransferError(f"transport {self.name!r} is closed")
 
 
-def _check_memory(kv_cache: KVCache, generations: torch.Tensor | None) -> None:
-    if not kv_cache.arena.is_contiguous():
-        raise ValueError("NixlTransport needs a contiguous arena: blocks are addressed as base + id * block_bytes")
-    n = kv_cache.num_blocks
+def _check_memory(arena: torch.Tensor, generations: torch.Tensor | None) -> None:
+    if not arena.is_contiguous() or arena.dim() < 1 or arena.shape[0] < 1:
+        raise ValueError("NixlTransport needs a contiguous arena of at least one entry: entries are addressed as "
+                         "base + id * entry_bytes")
+    n = arena.shape[0]
     if generations is not None and (generations.shape != (n,) or generations.dtype != torch.int64
                                     or generations.is_cuda or not generations.is_contiguous()):
         raise ValueError(f"generations must be a contiguous CPU int64 tensor of shape ({n},), got "

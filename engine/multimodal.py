@@ -101,29 +101,34 @@ class MultimodalProcessor:
         self.image_size = spec.image_size
         self.identity = _identity(self.image_processor, spec.tokens_per_image, spec.fingerprint)
 
-    def load_image(self, image, index: int = 0) -> Image.Image:
-        """A PIL image, raw encoded bytes, or a data: URL -> a decoded PIL image (its first frame), within limits."""
-        return decode_image(image, self.limits, f"images[{index}]")
+    def load_image(self, image, index: int = 0, where: str | None = None) -> Image.Image:
+        """A PIL image, raw encoded bytes, or a data: URL -> a decoded PIL image (its first frame), within limits.
+        Errors name `where` (default: images[index])."""
+        return decode_image(image, self.limits, where or f"images[{index}]")
 
-    def preprocess(self, images: Sequence) -> list[ImageItem]:
-        """Decodes, hashes and runs the checkpoint's image processor on each image."""
+    def preprocess(self, images: Sequence, names: Sequence[str] | None = None) -> list[ImageItem]:
+        """Decodes, hashes and runs the checkpoint's image processor on each image; errors name names[i] (default:
+        images[i])."""
         items = []
         for i, image in enumerate(images):
-            decoded = self.load_image(image, i)
+            where = names[i] if names is not None else f"images[{i}]"
+            decoded = self.load_image(image, i, where)
             pixels = self.image_processor(decoded, return_tensors="pt")["pixel_values"][0]  # (C, H, W)
             if tuple(pixels.shape[-2:]) != (self.image_size, self.image_size):
-                raise ValueError(f"images[{i}]: the processor made {tuple(pixels.shape[-2:])} pixels, the vision "
+                raise ValueError(f"{where}: the processor made {tuple(pixels.shape[-2:])} pixels, the vision "
                                  f"tower takes {self.image_size}x{self.image_size}; the checkpoint is inconsistent")
             items.append(ImageItem(pixels.float(), image_hash(decoded, self.identity), self.tokens_per_image))
         return items
 
-    def process(self, prompt: str | Sequence[int], images: Sequence) -> MultimodalPrompt:
-        """The prompt (text, tokenized as the processor's tokenizer does, or token ids) with one image token per image."""
+    def process(self, prompt: str | Sequence[int], images: Sequence, names: Sequence[str] | None = None
+                ) -> MultimodalPrompt:
+        """The prompt (text, tokenized as the processor's tokenizer does, or token ids) with one image token per image.
+        names: what errors call each image (default images[i])."""
         if isinstance(images, (str, bytes, Image.Image)):
             images = [images]  # one image, not a sequence of characters or bytes
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         count_placeholders(token_ids, self.image_token_id, len(images))  # before decoding anything
-        items = self.preprocess(images)
+        items = self.preprocess(images, names)
         expanded, ranges = expand_placeholders(token_ids, self.image_token_id, [it.num_tokens for it in items])
         return MultimodalPrompt(tuple(expanded), tuple(items), tuple(ranges))
 
@@ -236,6 +241,32 @@ def expand_placeholders(
         ranges.append(PlaceholderRange(len(out), n))
         out.extend([image_token_id] * n)
     return out, ranges
+
+
+def locate_placeholders(
+    token_ids: Sequence[int], image_token_id: int, num_tokens: Sequence[int]
+) -> tuple[list[int], list[PlaceholderRange]]:
+    """The expanded prompt and each image's range, from a prompt in either form: one image token per image (a user's
+    prompt: expanded here) or already expanded (an owner expands before passing a prompt on: image i is num_tokens[i]
+    consecutive image tokens, back-to-back images one run). ValueError if the image tokens fit neither."""
+    found = sum(1 for t in token_ids if t == image_token_id)
+    if found == len(num_tokens):
+        return expand_placeholders(token_ids, image_token_id, num_tokens)
+    if found != sum(num_tokens):
+        raise ValueError(f"the prompt has {found} image token(s) (id {image_token_id}) for {len(num_tokens)} "
+                         f"image(s) of {sum(num_tokens)} tokens: give one placeholder per image")
+    ranges: list[PlaceholderRange] = []
+    pos = 0
+    while pos < len(token_ids):
+        if token_ids[pos] != image_token_id:
+            pos += 1
+            continue
+        n = num_tokens[len(ranges)]
+        if any(t != image_token_id for t in token_ids[pos:pos + n]) or pos + n > len(token_ids):
+            raise ValueError(f"image {len(ranges)} needs {n} consecutive image tokens from position {pos}")
+        ranges.append(PlaceholderRange(pos, n))
+        pos += n
+    return list(token_ids), ranges
 
 
 def embeddings_in_span(

@@ -138,13 +138,14 @@ class NixlConnector(KVConnector):
         self.meet(EngineCard(handle.agent, handle.transport_info, handle.layout, handle.fingerprint))
 
     # ---- prefill side ----
-    def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs) -> bytes:
+    def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs, mm_items=()) -> bytes:
         lease_id, deadline = self.leases.hold(request_id)
         handle = KVHandle(
             ctx_request_id=request_id, agent=self.transport.name, transport_info=self.transport.metadata(),
             block_ids=tuple(block_ids), generations=tuple(self._generations[list(block_ids)].tolist()), num_tokens=num_tokens,
             layout=self._layout, fingerprint=self._fingerprint, lease_deadline=deadline, lease_id=lease_id,
             first_logprobs=tuple(first_logprobs), first_top_logprobs=tuple(first_top_logprobs),
+            mm_items=tuple((tuple(i.content_hash), i.offset, i.length) for i in mm_items),
         )
         return handle.sign(self._key)
 

@@ -69,14 +69,20 @@ class OutputProcessor:
 
     def abort(self, req: EngineRequest) -> None:
         deltas = [self._finish(s, "cancelled", None) for s in req.seqs if not s.finished]
-        self.requests.pop(req.request_id, None)
+        self._leave(req)
         self._pending.append(EngineResponse(req.request_id, tuple(deltas), finished=True))
+
+    def fail(self, req: EngineRequest, why: str) -> None:
+        """Ends the request with an error (every candidate's finish_reason 'error'): it cannot go on here."""
+        deltas = [self._finish(s, "error", None) for s in req.seqs if not s.finished]
+        self._leave(req)
+        self._pending.append(EngineResponse(req.request_id, tuple(deltas), finished=True, error=why))
 
     def stop(self, req: EngineRequest, seq: Sequence) -> None:
         delta = self._finish(seq, "stop", None)
         self._pending.append(EngineResponse(req.request_id, (delta,), finished=req.finished))
         if req.finished:
-            del self.requests[req.request_id]
+            self._leave(req)
 
     @property
     def has_pending(self) -> bool:
@@ -149,7 +155,7 @@ class OutputProcessor:
             return
         blocks = seq.block_table[: self.block_manager.blocks_for(req.num_prompt_tokens)]
         opaque = self.connector.hold(req.request_id, blocks, req.num_prompt_tokens, [s.logprob for s in samples],
-                                     [_triples(s.top_logprobs) for s in samples])
+                                     [_triples(s.top_logprobs) for s in samples], req.mm_items)
         self.scheduler.hold(seq)
         handoff = Handoff(req.request_id, tuple(s.token_id for s in samples), opaque)
         self._pending.append(self._response(req, deltas, handoff=handoff))
@@ -161,12 +167,17 @@ class OutputProcessor:
         req.reported_queue_time = True
         finished = req.finished and handoff is None
         if finished or handoff is not None:
-            self.requests.pop(req.request_id, None)
+            self._leave(req)
         extra = self._prompt_outputs(req) if first and req.prompt_logits else {}
         queue_time = req.first_scheduled_time - req.arrival_time if first else None
         cached = req.num_cached_tokens if first else None
         return EngineResponse(req.request_id, tuple(deltas), finished, queue_time=queue_time, handoff=handoff,
                               num_cached_tokens=cached, **extra)
+
+    def _leave(self, req: EngineRequest) -> None:
+        """The request is done on this engine (its blocks may still be held under a KV lease)."""
+        self.requests.pop(req.request_id, None)
+        req.mm_embeddings = ()  # nothing computes its prompt again; a held request must not pin them
 
     def _prompt_outputs(self, req: EngineRequest) -> dict:
         logits = torch.stack([req.prompt_logits[p] for p in range(req.num_prompt_tokens)])  # (P, vocab)

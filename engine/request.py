@@ -35,6 +35,10 @@ class MultimodalItem:
     offset: int
     length: int
 
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -95,6 +99,9 @@ class EngineRequest:
     reported_queue_time: bool = False
     cache_salt: str | None = None  # isolates this tenant's prefix-cache entries from everyone else's
     mm_items: tuple[MultimodalItem, ...] = ()
+    # Aligned with mm_items: each image's (length, hidden) embeddings, kept until the request ends (a preempted
+    # request recomputes its prompt and splices them again). Empty on a generation-only request: it reads the KV.
+    mm_embeddings: tuple[object, ...] = ()
     kv_source: object = None  # generation_only: the verified KV handle its prompt's KV is read from
     first_tokens: tuple[FirstToken, ...] = ()  # generation_only: each candidate's first token, from the prefill side
     echo_first_tokens: bool = True  # generation_only: emit the first tokens again (an owner that streamed them: no)
@@ -116,3 +123,8 @@ class EngineRequest:
     @property
     def finished(self) -> bool:
         return self.forked and all(s.finished for s in self.seqs)
+
+    @property
+    def can_recompute(self) -> bool:
+        """Whether this engine can compute the prompt itself: not if it has images but not their embeddings."""
+        return not self.mm_items or bool(self.mm_embeddings)

@@ -7,6 +7,7 @@ import torch
 from engine.attention import AttentionMetadata, SeqSlice
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
+from engine.multimodal import embeddings_in_span
 from engine.request import Sequence
 
 
@@ -34,7 +35,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(slices, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # (T,)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # (T,)
-        hidden = self.model(input_ids, pos, meta, self.kv_cache)  # (T, hidden)
+        hidden = self.model(input_ids, pos, meta, self.kv_cache, row_embeds=image_rows(scheduled, self.device))
         return hidden, last_rows
 
     @torch.inference_mode()
@@ -42,3 +43,21 @@ class ModelRunner:
         """(len(rows), vocab) fp32 logits of the given flat rows."""
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, index)).float().cpu()
+
+
+def image_rows(scheduled: list[tuple[Sequence, int]], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The image embeddings this step's chunks cover, at their flat-batch rows: (rows (R,), embeddings (R, hidden)),
+    or None when no chunk reaches into an image. A chunk covers positions [num_computed_tokens, + n): after a
+    prefix-cache hit only the suffix is computed, so only its images' rows are spliced; decode tokens have none."""
+    rows, embeds, first = [], [], 0
+    for seq, n in scheduled:
+        req, start = seq.request, seq.num_computed_tokens
+        if req.mm_embeddings and start < req.num_prompt_tokens:
+            span = embeddings_in_span(req.mm_items, req.mm_embeddings, start, n)
+            if span is not None:
+                rows.append(span[0] + first)
+                embeds.append(span[1])
+        first += n
+    if not rows:
+        return None
+    return torch.cat(rows).to(device), torch.cat(embeds).to(device)

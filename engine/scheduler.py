@@ -94,12 +94,14 @@ class Scheduler:
             self.waiting_for_kv.remove(seq)
 
     # ---- the KV plane ----
-    def update_from_connector(self, events: ConnectorEvents) -> list[Sequence]:
-        """Applies reads that ended and leases that ended; returns the sequences whose import ended (KV in place:
-        running; failed: back to waiting to prefill here), whose candidates now start from their first tokens."""
+    def update_from_connector(self, events: ConnectorEvents) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
+        """Applies reads that ended and leases that ended. Returns the sequences whose import ended (KV in place:
+        running; failed: back to waiting to prefill here), whose candidates now start from their first tokens, and
+        (sequence, why) for failed imports that cannot be prefilled here (images without their embeddings): those
+        are finished, their blocks freed."""
         for request_id in events.leases_ended:
             self.free_held(request_id)
-        ended = []
+        ended, failed = [], []
         for seq, problem in events.imports_done:
             if seq.status is not SeqStatus.WAITING_FOR_KV:
                 continue  # preempted or finished meanwhile
@@ -108,6 +110,12 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_tokens
                 self.block_manager.register(seq, seq.num_computed_tokens)
                 self.add_running(seq)
+            elif not seq.request.can_recompute:
+                self.block_manager.free(seq)
+                seq.status = SeqStatus.FINISHED
+                failed.append((seq, f"reading the prompt KV failed ({problem}) and the prompt has images whose "
+                                    "embeddings only the prefill side had: it cannot be prefilled here"))
+                continue
             else:
                 log.warning("request %d re-prefills locally: %s", seq.request.request_id, problem)
                 self.num_reprefills += 1
@@ -115,7 +123,7 @@ class Scheduler:
                 seq.request.kv_source = None
                 self.add(seq, front=True)
             ended.append(seq)
-        return ended
+        return ended, failed
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:

@@ -9,6 +9,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from engine.engine import EngineConfig, LLMEngine, nixl_connector
+from engine.image_inputs import ImageInputs, PreparedPrompt
 from engine.kv_connector import EngineCard
 from engine.loop import EngineLoop
 from llmapi.disaggregated_params import DisaggregatedParams
@@ -27,6 +28,8 @@ class EngineWorker:
         self._streams: dict[int, asyncio.Queue] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.loop = EngineLoop(LLMEngine(model_dir, config, nixl_connector(config)), self._deliver, self._fail_all)
+        dtype = str(self.loop.engine.model.dtype).removeprefix("torch.")
+        self.images = ImageInputs(model_dir, dtype, config.device, config.cluster_key, config.kv_transfer_timeout_s)
 
     def card(self) -> EngineCard:
         return self.loop.call(lambda e: e.card())
@@ -63,20 +66,23 @@ class EngineWorker:
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        self.images.close()
 
     async def stream(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                      disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True,
                      on_accept: Callable[[LLMEngine], None] | None = None, resume: Resume | None = None
                      ) -> AsyncIterator[EngineResponse]:
         """Submits a request and yields its responses until the final one. Raises the engine's ValueError.
+        Embedding handles in disaggregated_params are read (over NIXL, checked) before the engine sees the request.
         on_accept runs on the engine thread right after the engine took the request."""
         self._aloop = asyncio.get_running_loop()
+        prepared = await self._prepare(prompt_token_ids, disaggregated_params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
 
         def add(e: LLMEngine) -> None:
-            e.add_request(request_id, prompt_token_ids, params, disaggregated_params, echo_first_tokens,
-                          resume=resume)
+            e.add_request(request_id, prepared.token_ids, params, disaggregated_params, echo_first_tokens,
+                          mm_items=prepared.mm_items, mm_embeddings=prepared.mm_embeddings, resume=resume)
             if on_accept is not None:
                 on_accept(e)
         finished = False
@@ -92,6 +98,16 @@ class EngineWorker:
             self._streams.pop(request_id, None)
             if not finished:  # the consumer went away (or failed): free the request's blocks
                 self.abort(request_id)
+
+    async def _prepare(self, ids: list[int], params: DisaggregatedParams | None) -> PreparedPrompt:
+        """The prompt as the engine takes it: a generation-only one as is (its images come with the KV handle);
+        otherwise with the embeddings its handles name, read off the event loop (the reader has its deadline)."""
+        if params is not None and params.request_type == "generation_only":
+            return PreparedPrompt(list(ids))
+        if params is not None and params.multimodal_embedding_handles:
+            return await asyncio.to_thread(self.images.from_handles, ids, params.multimodal_embedding_handles,
+                                           params.multimodal_hashes)
+        return self.images.text(ids)
 
     # ---- on the engine thread ----
     def _deliver(self, responses: list[EngineResponse]) -> None:

@@ -8,10 +8,28 @@ from typing import Any
 REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
 
 
+@dataclass(frozen=True)
+class MultimodalEmbeddingHandle:
+    """One image's embeddings, made by a MultimodalEncoder and held in its NIXL-registered arena under a lease.
+
+    num_tokens, hidden_size and dtype describe the (num_tokens, hidden_size) tensor for the reader's checks; `signed`
+    is what the reader trusts: HMAC-signed JSON (engine/embedding_handle.py) naming the encoder's agent, the arena
+    slot (region index) and its generation, the lease and its deadline, the model fingerprint and the content hash.
+    """
+
+    num_tokens: int
+    hidden_size: int
+    dtype: str
+    signed: bytes
+
+
 @dataclass
 class DisaggregatedParams:
     """As in the reference API. `opaque_state` is the signed KV handle made by the context side;
-    `first_gen_tokens` holds one first token per candidate."""
+    `first_gen_tokens` holds one first token per candidate. `multimodal_embedding_handles` (one
+    MultimodalEmbeddingHandle per image, in prompt order) and `multimodal_hashes` (8 int32 per image) come from a
+    MultimodalEncoder; a context-only (or whole) request reads the embeddings they name. The decode side never gets
+    them: its KV handle names the images by hash instead."""
 
     request_type: str = "context_and_generation"
     first_gen_tokens: list[int] | None = None
@@ -32,3 +50,10 @@ class DisaggregatedParams:
                 raise ValueError("DisaggregatedParams.first_gen_tokens is required for a generation_only request")
             if self.opaque_state is None:
                 raise ValueError("DisaggregatedParams.opaque_state is required for a generation_only request")
+            if self.multimodal_embedding_handles:
+                raise ValueError("DisaggregatedParams.multimodal_embedding_handles: a generation_only request reads "
+                                 "the prompt's KV, not its image embeddings (give them to the context_only request)")
+        handles, hashes = self.multimodal_embedding_handles, self.multimodal_hashes
+        if hashes is not None and handles is not None and len(hashes) != len(handles):
+            raise ValueError(f"DisaggregatedParams: {len(hashes)} multimodal_hashes for {len(handles)} "
+                             "multimodal_embedding_handles (one of each per image)")

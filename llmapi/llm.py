@@ -9,8 +9,10 @@ from typing import Sequence
 from transformers import AutoTokenizer
 
 from engine.engine import EngineConfig, LLMEngine, nixl_connector
+from engine.image_inputs import ImageInputs, PreparedPrompt
+from engine.kv_handle import KVHandle
 from engine.loop import EngineLoop
-from llmapi.batch import Prompt, as_prompt_list, wait_all
+from llmapi.batch import Prompt, as_prompt_list, split_prompt, wait_all
 from llmapi.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
@@ -38,6 +40,9 @@ class LLM:
         config = engine_config or EngineConfig(**engine_kwargs)
         engine = LLMEngine(model, config, nixl_connector(config) if kv_transfer else None)
         self.engine = engine
+        self.config = config
+        dtype = str(engine.model.dtype).removeprefix("torch.")
+        self.images = ImageInputs(model, dtype, config.device, config.cluster_key, config.kv_transfer_timeout_s)
         self._ids = itertools.count()
         self._records: dict[int, tuple[DetokenizedGenerationResultBase, RequestOutput]] = {}  # engine thread only
         # N >= 1: detokenization and stop strings run in N worker processes, off the engine thread.
@@ -69,24 +74,29 @@ class LLM:
                        disaggregated_params: DisaggregatedParams | None = None) -> RequestOutput:
         """Submits one request and returns at once; iterate the result to stream, or call result(timeout).
 
+        inputs: a prompt (text or token ids), or {"prompt": ..., "multi_modal_data": {"image": [images]}} with one
+        `<image>` placeholder per image (PIL images, encoded bytes or data: URLs), encoded here and spliced in.
         disaggregated_params: request_type "context_only" prefills and returns the first token with the KV handle
-        in result.disaggregated_params; "generation_only" continues from such a handle (read over NIXL).
+        in result.disaggregated_params; "generation_only" continues from such a handle (read over NIXL). With
+        multimodal_embedding_handles (from a MultimodalEncoder) the images' embeddings are read over NIXL instead.
         """
         self._check_alive()
         params = copy.deepcopy(sampling_params or SamplingParams())
-        prompt, ids = self._tokenize(inputs)
-        request_id = next(self._ids)
         disagg = copy.copy(disaggregated_params)
+        prompt, prepared = self._prepare(inputs, disagg)
+        request_id = next(self._ids)
+        ids = prepared.token_ids
         result = RequestOutput(request_id, ids, params, prompt, streaming, abort_fn=self._abort,
                                disaggregated_params=disagg)
         record = DetokenizedGenerationResultBase(request_id, ids, params, self.tokenizer, streaming)
         # The engine thread validates the request; its ValueError is raised here, on the caller's thread.
-        self.loop.call(lambda engine: self._add(engine, record, result))
+        self.loop.call(lambda engine: self._add(engine, record, result, prepared))
         return result
 
     def shutdown(self) -> None:
         """Stops the loop; unfinished requests end with an error."""
         self.loop.shutdown()
+        self.images.close()
         if self._postproc is not None:
             self._postproc.close()
 
@@ -97,7 +107,25 @@ class LLM:
         self.shutdown()
 
     # ---- helpers run on the caller's thread ----
-    def _tokenize(self, inputs: Prompt) -> tuple[str | None, list[int]]:
+    def _prepare(self, inputs: Prompt, disagg: DisaggregatedParams | None) -> tuple[str | None, PreparedPrompt]:
+        """The prompt's text and what the engine takes: images encoded here, embeddings read over NIXL, or (decode)
+        placeholders expanded as the KV handle's images say."""
+        prompt, images = split_prompt(inputs)
+        text, ids = self._tokenize(prompt)
+        handles = disagg.multimodal_embedding_handles if disagg is not None else None
+        if handles:
+            if images is not None:
+                raise ValueError("give a prompt's images (multi_modal_data) or their multimodal_embedding_handles, "
+                                 "not both")
+            return text, self.images.from_handles(ids, handles, disagg.multimodal_hashes)
+        if images is not None:
+            return text, self.images.from_images(ids, images)
+        if disagg is not None and disagg.request_type == "generation_only" and self.images.multimodal:
+            items = KVHandle.open(disagg.opaque_state, self.config.cluster_key).mm_items
+            return text, self.images.for_generation(ids, items)
+        return text, self.images.text(ids)
+
+    def _tokenize(self, inputs) -> tuple[str | None, list[int]]:
         if isinstance(inputs, str):
             return inputs, self.tokenizer.encode(inputs)
         if isinstance(inputs, (list, tuple)) and all(isinstance(t, int) for t in inputs):
@@ -115,9 +143,11 @@ class LLM:
         self.loop.check_alive()
 
     # ---- on the engine thread ----
-    def _add(self, engine: LLMEngine, record: DetokenizedGenerationResultBase, result: RequestOutput) -> None:
+    def _add(self, engine: LLMEngine, record: DetokenizedGenerationResultBase, result: RequestOutput,
+             prepared: PreparedPrompt) -> None:
         engine.add_request(result.request_id, result.prompt_token_ids, result.sampling_params,
-                           result.disaggregated_params)
+                           result.disaggregated_params, mm_items=prepared.mm_items,
+                           mm_embeddings=prepared.mm_embeddings)
         if self._postproc is not None:
             self._postproc.submit(result.request_id, result)
         else:

@@ -17,16 +17,21 @@ class PrefillWorker(DecodeWorker):
     is up.
     """
 
-    async def prefill(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams
-                      ) -> AsyncIterator[Accepted | EngineResponse]:
+    async def prefill(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                      images: DisaggregatedParams | None = None) -> AsyncIterator[Accepted | EngineResponse]:
         """Accepted, then the context-only response: first token per candidate, and a Handoff naming the KV blocks
         unless every candidate ended there. An owner that leaves after the hand-off sends Abort, which ends the
-        lease; a call cancelled before the owner got it ends the lease here."""
+        lease; a call cancelled before the owner got it ends the lease here. images: an encoder's output
+        (multimodal_embedding_handles and multimodal_hashes, one per image): the embeddings are read from the
+        encoder over NIXL and spliced at the prompt's image positions."""
         yield Accepted(self._control.addr)
+        mm = images or DisaggregatedParams()
+        context = DisaggregatedParams(request_type="context_only",
+                                      multimodal_embedding_handles=mm.multimodal_embedding_handles,
+                                      multimodal_hashes=mm.multimodal_hashes)
         last = None
         try:
-            async for rsp in self.stream(request_id, prompt_token_ids, params,
-                                         DisaggregatedParams(request_type="context_only")):
+            async for rsp in self.stream(request_id, prompt_token_ids, params, context):
                 last = rsp
             yield last
         except BaseException:

@@ -17,7 +17,7 @@ import httpx
 import openai
 import yaml
 
-from engine.tiny import build_tiny_model
+from engine.tiny import build_tiny_llava
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
@@ -49,7 +49,7 @@ def _processes_in(directory: pathlib.Path) -> list[int]:
 
 def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
     work = tmp_path.resolve()
-    build_tiny_model(work / "models" / "tiny-llama")
+    build_tiny_llava(work / "models" / "tiny-llava")
     config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
     port = _free_port()
     config["http"]["port"] = port
@@ -73,7 +73,7 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
         got: dict = {"text": "", "reason": None, "chunks": 0}
 
         def stream() -> None:
-            for chunk in client.completions.create(model="tiny-llama", prompt="drain me", max_tokens=600,
+            for chunk in client.completions.create(model="tiny-llava", prompt="drain me", max_tokens=600,
                                                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
                 got["chunks"] += 1
                 got["text"] += chunk.choices[0].text
@@ -86,7 +86,7 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         time.sleep(2.0)  # every ingress replica has seen the drain
-        refused = httpx.post(f"{base}/v1/completions", json={"model": "tiny-llama", "prompt": "late", "max_tokens": 2},
+        refused = httpx.post(f"{base}/v1/completions", json={"model": "tiny-llava", "prompt": "late", "max_tokens": 2},
                              timeout=30)
         assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
         streaming.join(120)

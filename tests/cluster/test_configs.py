@@ -42,8 +42,9 @@ def workdir(tmp_path, monkeypatch):
 
 def test_local_config_is_the_single_node_default(workdir):
     config = load_config(REPO / "configs" / "local.yaml")
-    assert config.model == str(workdir / "models" / "tiny-llama")
+    assert config.model == str(workdir / "models" / "tiny-llava")
     assert (config.prefill.replicas, config.decode.replicas, config.ingress.replicas) == (1, 1, 1)
+    assert config.encoder.replicas == 1 and not config.multimodal.allow_remote_urls
     assert config.num_postprocess_workers == 2
     assert all(getattr(config, role).resources == {} for role in ("prefill", "decode", "postproc", "ingress"))
     assert (config.http.host, config.http.port, config.http.api_key_value()) == ("127.0.0.1", 8000, None)

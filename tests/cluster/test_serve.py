@@ -159,6 +159,10 @@ def test_bad_requests_get_clear_4xx_and_the_server_stays_healthy(server, client)
         client.completions.create(model="tiny", prompt=[5] * 2000, max_tokens=100)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny", prompt="x", temperature=7)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: .* is text-only"):
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "see"}, image]}])
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200
     assert client.completions.create(model="tiny", prompt="still here", max_tokens=2).choices
 

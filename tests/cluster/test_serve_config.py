@@ -22,7 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray.util import state
 
-from engine.tiny import build_tiny_model
+from engine.tiny import build_tiny_llava
 from llmapi import LLM, SamplingParams
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def served(tmp_path_factory):
     (work / "configs").mkdir()
     for name in ("serve.yaml", "local.yaml"):
         shutil.copy(REPO / "configs" / name, work / "configs" / name)
-    build_tiny_model(work / "models" / "tiny-llama")  # what `make serve` builds; the name clients ask for
+    build_tiny_llava(work / "models" / "tiny-llava")  # what `make serve` builds; the name clients ask for
     port = yaml.safe_load(SERVE_CONFIG.read_text())["http_options"]["port"]
     for busy in (port, 8265):
         assert _port_free(busy), f"port {busy} is in use: configs/serve.yaml's endpoint and Ray's dashboard need it"
@@ -107,15 +107,15 @@ def client(served):
 
 
 def test_serves_the_openai_api(served, client):
-    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
-    got = client.completions.create(model="tiny-llama", prompt="The quick brown", max_tokens=10, temperature=0,
+    assert [m.id for m in client.models.list().data] == ["tiny-llava"]
+    got = client.completions.create(model="tiny-llava", prompt="The quick brown", max_tokens=10, temperature=0,
                                     extra_body={"ignore_eos": True})
-    with LLM(str(served["work"] / "models" / "tiny-llama")) as reference:  # greedy: the same tokens in any engine
+    with LLM(str(served["work"] / "models" / "tiny-llava")) as reference:  # greedy: the same tokens in any engine
         ref = reference.generate("The quick brown", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert got.choices[0].text == ref.outputs[0].text and got.usage.completion_tokens == 10
     messages = [{"role": "user", "content": "hello"}]
-    whole = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0)
-    parts = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0,
+    whole = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=8, temperature=0)
+    parts = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=8, temperature=0,
                                            stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == whole.choices[0].message.content
 
@@ -136,7 +136,7 @@ def test_dashboard_is_importable_grafana_json():
 
 
 def test_every_series_the_dashboard_queries_is_in_metrics(served, client):
-    client.completions.create(model="tiny-llama", prompt="metrics", max_tokens=4)
+    client.completions.create(model="tiny-llava", prompt="metrics", max_tokens=4)
     text = httpx.get(f"{served['base']}/metrics", timeout=30).text
     samples = [(s.name, s.labels) for family in text_string_to_metric_families(text) for s in family.samples]
     missing = []
@@ -175,7 +175,7 @@ def test_serve_deploy_rescales_decode_in_place(served, client):
         time.sleep(1.0)
     # Same application code and args: Serve only applies the new count, every replica it had is still there.
     assert all(before[role] <= after[role] for role in before) and after["prefill"] == before["prefill"]
-    assert client.completions.create(model="tiny-llama", prompt="after", max_tokens=4).usage.completion_tokens == 4
+    assert client.completions.create(model="tiny-llava", prompt="after", max_tokens=4).usage.completion_tokens == 4
 
 
 def test_ctrl_c_stops_everything_serve_run_started(served):

@@ -21,6 +21,7 @@ from engine.multimodal import (
     decode_image,
     embeddings_in_span,
     expand_placeholders,
+    locate_placeholders,
 )
 from tests.engine.images import random_images
 
@@ -242,3 +243,18 @@ def test_embeddings_in_span_cuts_images_anywhere():
 def test_embeddings_in_span_checks_counts():
     with pytest.raises(ValueError, match="2 embeddings for 3 placeholders"):
         embeddings_in_span([PlaceholderRange(0, 3)], [torch.zeros(2, 4)], 0, 3)
+
+
+def test_locate_placeholders_takes_either_form(proc):
+    image = proc.image_token_id
+    counts = [3, 2]
+    user = [7, image, 8, image, image][:4] + [9]  # one placeholder per image
+    expanded, ranges = locate_placeholders(user, image, counts)
+    assert expanded == [7, image, image, image, 8, image, image, 9]
+    assert [(r.offset, r.length) for r in ranges] == [(1, 3), (5, 2)]
+    assert locate_placeholders(expanded, image, counts) == (expanded, ranges)  # already expanded: the same
+    back_to_back = [image] * 5 + [1]  # two images in one run
+    assert [(r.offset, r.length) for r in locate_placeholders(back_to_back, image, counts)[1]] == [(0, 3), (3, 2)]
+    for bad in ([image, 1, image, image, image, image], [image] * 4, [1, 2]):
+        with pytest.raises(ValueError, match="image"):
+            locate_placeholders(bad, image, counts)

@@ -10,7 +10,7 @@ from engine.block_manager import BlockManager
 from engine.kv_cache import KVLayout
 from engine.kv_connector import ConnectorEvents, ImportPlan, NullConnector
 from engine.kv_handle import KVHandle
-from engine.request import EngineRequest, Sequence, SeqStatus
+from engine.request import EngineRequest, MultimodalItem, Sequence, SeqStatus
 from engine.scheduler import Scheduler
 from llmapi import SamplingParams
 
@@ -141,8 +141,8 @@ def test_imports_wait_for_blocks_and_seats_in_their_queue():
     assert out.scheduled == [] and sched.waiting_for_kv == [a, b] and list(sched.waiting) == [c]
     assert [p.seq for p in connector.started] == [a, b] and connector.started[0].remote_blocks == (100, 101)
     assert len(sched.running) + len(sched.waiting_for_kv) <= 2
-    arrived = sched.update_from_connector(ConnectorEvents(imports_done=((a, None),)))
-    assert arrived == [a] and sched.running == [a] and a.num_computed_tokens == 8
+    arrived, failed = sched.update_from_connector(ConnectorEvents(imports_done=((a, None),)))
+    assert arrived == [a] and failed == [] and sched.running == [a] and a.num_computed_tokens == 8
     sched.schedule()
     assert list(sched.waiting) == [c]  # a and b still take both seats
     sched.finish(a)
@@ -159,6 +159,20 @@ def test_an_import_that_fails_prefills_here():
     assert list(sched.waiting) == [a] and a.block_table == [] and a.request.kv_source is None
     a.token_ids.append(5)  # its first token, from the prefill side
     assert sched.schedule().scheduled == [(a, 9)]
+
+
+def test_an_import_of_images_that_fails_ends_the_request_instead():
+    # A generation-only request of a prompt with images has no embeddings here: it cannot prefill locally.
+    sched = scheduler(connector=RecordingConnector())
+    a = importing(8, 0)
+    a.request.mm_items = (MultimodalItem((1,) * 8, 2, 4),)
+    sched.add(a)
+    sched.schedule()
+    started, failed = sched.update_from_connector(ConnectorEvents(imports_done=((a, "the lease ended"),)))
+    assert started == [] and [s for s, _ in failed] == [a] and "the lease ended" in failed[0][1]
+    assert a.finished and a.block_table == [] and not sched.waiting and not sched.waiting_for_kv
+    sched.block_manager.check()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
 def test_an_import_is_preempted_before_a_running_sequence():

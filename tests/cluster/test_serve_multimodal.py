@@ -1,0 +1,202 @@
+"""configs/local.yaml's deployment (an encoder replica beside prefill and decode) serving a tiny LLaVA, through the real
+`openai` client: images in chat messages give the embedded engine's text; bad images are a 400 naming the content part
+and reach no engine."""
+
+from __future__ import annotations
+
+import base64
+import io
+import pathlib
+import socket
+import struct
+import time
+import zlib
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import ray
+import yaml
+from PIL import Image
+from ray import serve
+
+from cluster.app import POSTPROC_NAMESPACE, build_from_config
+from cluster.config import parse_config
+from cluster.directory import Directory
+from llmapi import LLM, SamplingParams
+from tests.engine.images import random_images
+
+KEY = "sk-raypd-mm"
+APP = "raypd-mm"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MAX_IMAGE_BYTES = 64 * 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(model: str, port: int):
+    """configs/local.yaml with the test's model, port, key and smaller pools."""
+    raw = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    raw.update(model=model, served_model_name="tiny-llava", http={"host": "127.0.0.1", "port": port, "api_key": KEY})
+    raw["engine"].update(block_size=4, kv_cache_bytes="32MiB")
+    raw["multimodal"].update(max_image_bytes=MAX_IMAGE_BYTES, encoder_cache_bytes="4MiB")
+    return parse_config(raw)
+
+
+@pytest.fixture(scope="module")
+def llava(llava_factory):
+    return str(llava_factory())
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, llava):
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = _config(llava, port)
+    assert config.has_vision_tower and config.encoder.replicas == 1
+    serve.run(build_from_config(config), name=APP, route_prefix="/")
+    assert "encoder" in serve.status().applications[APP].deployments
+    yield f"http://127.0.0.1:{port}", port
+    serve.delete(APP)
+    serve.shutdown()
+    for i in range(config.num_postprocess_workers):
+        ray.kill(ray.get_actor(f"raypd-postproc-{i}", namespace=POSTPROC_NAMESPACE))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def embedded(llava):
+    with LLM(llava, block_size=4) as llm:
+        yield llm
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _reference(embedded: LLM, messages: list[dict], images: list, params: SamplingParams) -> str:
+    """The embedded engine on the prompt the ingress renders (the chat template, an image part as {"type": "image"})."""
+    tok = embedded.tokenizer
+    parts = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+              [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]} for m in messages]
+    text = tok.apply_chat_template(parts, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    return embedded.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, params).outputs[0].text
+
+
+def test_an_image_in_a_chat_message_gives_the_embedded_engines_text(client, embedded):
+    a, b = random_images(2, seed=60)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in "}, image_part(data_url(png(a))),
+                                             {"type": "text", "text": " this picture?"}]}]
+    got = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert got.choices[0].message.content == _reference(embedded, messages, [a], params)
+    assert got.usage.prompt_tokens > 16  # the image's 16 placeholder tokens count as prompt
+    two = [{"role": "user", "content": [image_part(data_url(png(a))), image_part(data_url(png(b), "image/png")),
+                                        {"type": "text", "text": "which came first?"}]}]
+    stream = client.chat.completions.create(model="tiny-llava", messages=two, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == _reference(embedded, two, [a, b], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+
+
+def test_text_only_requests_keep_working(client, embedded):
+    messages = [{"role": "user", "content": "no picture today"}]
+    got = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == _reference(embedded, messages, [], SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True))
+    done = client.completions.create(model="tiny-llava", prompt="plain words", max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    ref = embedded.generate("plain words", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert done.choices[0].text == ref.outputs[0].text
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares width x height and holds no pixel data."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + \
+        chunk(b"IEND", b"")
+
+
+def _encoder_and_prefill_counters() -> tuple[float, float]:
+    directory = Directory(APP)
+    return (directory.totals("encoder").get("images_encoded", 0.0),
+            directory.totals("prefill").get("prefix_cache_query_tokens", 0.0))
+
+
+def _bad_cases(tmp: pathlib.Path) -> list[tuple[list, str, str]]:
+    """(content parts, the part the 400 must name, what it must say)."""
+    good = png(random_images(1, seed=61)[0])
+    noise = Image.fromarray(np.random.RandomState(62).randint(0, 256, (200, 200, 3), dtype=np.uint8))  # ~120 KB PNG
+    (tmp / "local.png").write_bytes(good)
+    return [
+        ([image_part(data_url(b"not an image at all"))], "messages[0].content[0]", "not a decodable image"),
+        ([{"type": "text", "text": "look: "}, image_part(data_url(good[: len(good) // 2]))], "messages[0].content[1]",
+         "truncated"),
+        ([image_part(data_url(_png_header(30000, 30000)))], "messages[0].content[0]", "decompression bomb"),
+        ([image_part(data_url(_png_header(5000, 5000)))], "messages[0].content[0]", "pixels is over the limit"),
+        ([image_part(data_url(png(noise)))], "messages[0].content[0]", "bytes is over the limit"),
+        ([image_part("data:text/plain;base64,aGVsbG8=")], "messages[0].content[0]", "media type"),
+        ([image_part("https://example.com/cat.png")], "messages[0].content[0]", "allow_remote_urls"),
+        ([image_part(f"file://{tmp / 'local.png'}")], "messages[0].content[0]", "allowed_local_media_path"),
+        ([{"type": "text", "text": "<image> and "}, image_part(data_url(good))], "messages", "placeholder"),
+        ([{"type": "text", "text": "an <image> with no image"}], "messages", "no image was sent"),
+        ([image_part(data_url(good))] * 17, "messages[0].content[16]", "max_images_per_request"),
+    ]
+
+
+def test_bad_images_are_a_400_naming_the_part_and_reach_no_engine(server, tmp_path):
+    time.sleep(2.5)  # the directory's counters are refreshed every second: let the earlier tests' settle
+    before = _encoder_and_prefill_counters()
+    assert before[0] >= 2 and before[1] > 0  # the earlier tests' images and prompts did reach them
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for parts, param, what in _bad_cases(tmp_path):
+        body = {"model": "tiny-llava", "messages": [{"role": "user", "content": parts}], "max_tokens": 4}
+        r = httpx.post(f"{server[0]}/v1/chat/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 400, (what, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and what in error["message"], (what, error)
+    r = httpx.post(f"{server[0]}/v1/chat/completions", headers=auth, timeout=60, json={
+        "model": "tiny-llava", "messages": [{"role": "user", "content": [{"type": "input_audio", "x": 1}]}]})
+    assert r.status_code == 400 and "messages.0.content" in r.json()["error"]["message"]
+    time.sleep(2.5)
+    assert _encoder_and_prefill_counters() == before
+    assert httpx.get(f"{server[0]}/health", timeout=30).status_code == 200
+
+
+def test_colocated_mode_takes_images_too(server, client, llava):
+    config = _config(llava, server[1]).model_copy(update={"mode": "colocated"})
+    serve.run(build_from_config(config), name=f"{APP}-colocated", route_prefix="/colocated")
+    try:
+        colocated = openai.OpenAI(base_url=f"{server[0]}/colocated/v1", api_key=KEY, timeout=60, max_retries=0)
+        messages = [{"role": "user", "content": [image_part(data_url(png(random_images(1, seed=63)[0]))),
+                                                 {"type": "text", "text": "side by side"}]}]
+        kwargs = dict(model="tiny-llava", messages=messages, max_tokens=8, temperature=0,
+                      extra_body={"ignore_eos": True})
+        assert colocated.chat.completions.create(**kwargs).choices[0].message.content == \
+            client.chat.completions.create(**kwargs).choices[0].message.content
+        assert "prefill" not in serve.status().applications[f"{APP}-colocated"].deployments
+    finally:
+        serve.delete(f"{APP}-colocated")
