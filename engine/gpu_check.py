@@ -117,7 +117,7 @@ def check_parity(model_dir: pathlib.Path, device: str, new_tokens: int = 24) -> 
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Device-to-device copy, bytes moved (read + write) per second."""
+    """Device-to-device copy: bytes through memory (read + write) per second, the rate a pure read also gets."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -149,7 +149,8 @@ def time_decode(model_dir: pathlib.Path, device: str, batches=(1, 16, 64), steps
     for batch in batches:
         engine = LLMEngine(str(model_dir), EngineConfig(device=device, dtype="bfloat16", num_blocks=batch * 16 + 64,
                                                          max_num_seqs=batch, max_num_batched_tokens=8192))
-        floor = weight_bytes(engine.model) / (bandwidth / 2)  # reads at the copy's read rate
+        # A copy of N bytes moves 2N through memory; a step that reads W bytes of weights needs W / that rate.
+        floor = weight_bytes(engine.model) / bandwidth
         for i, p in enumerate(prompts(engine.spec.vocab_size // 4, batch, 64, 64, seed=2)):
             engine.add_request(i, p, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
         for _ in range(4):  # prefill, then warm decode steps
