@@ -79,7 +79,10 @@ def vllm_server(config: RaypdConfig, vllm_python: str, log_path: pathlib.Path):
 
 @contextlib.contextmanager
 def raypd_serve(port: int):
-    """A local Ray with Serve's HTTP proxy on 127.0.0.1:port, for the deployments measured one after another."""
+    """A local Ray with HAProxy (as `raypd serve`) on 127.0.0.1:port, for the deployments measured one after another."""
+    from cluster.cli import use_haproxy
+
+    use_haproxy()  # as `raypd serve` runs it (before Serve is imported: it reads the setting once)
     import ray
     from ray import serve
 
@@ -127,6 +130,8 @@ def _p50(result: BenchResult, metric: str) -> str:
 
 def run(args) -> dict[str, BenchResult]:
     config = load_config(args.config)
+    if args.model:
+        config = config.model_copy(update={"model": args.model, "served_model_name": None})
     bench = BenchConfig(base_url="", model=config.model_name, num_requests=args.num_requests,
                         input_len=args.input_len, output_len=args.output_len, num_warmups=2)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -151,6 +156,8 @@ def run(args) -> dict[str, BenchResult]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m cluster.bench_peers", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/local.yaml")
+    parser.add_argument("--model", default=None, help="checkpoint to serve instead of the config's (a text model: "
+                                                      "vLLM's CPU venv has no torchvision for image processors)")
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256, help="prompt words (~ tokens)")

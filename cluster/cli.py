@@ -114,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.detach and not args.address:
         raise ConfigError("--detach needs --address: a Ray started here ends when this command does")
     if args.address is None:
-        _use_haproxy()
+        use_haproxy()
     import ray
     from ray import serve
 
@@ -148,7 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
 _APP = "raypd"
 
 
-def _use_haproxy() -> None:
+def use_haproxy() -> None:
     """For the Ray this command starts: HTTP through HAProxy straight to the ingress replicas (Serve's direct
     ingress) instead of Serve's Python proxy, one hop and one Python event loop fewer per request and per streamed
     chunk. RAY_SERVE_ENABLE_HA_PROXY=0 keeps Serve's proxy. Set before Ray starts: its processes read it once."""
