@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     # Replica warnings (re-prefills, lease expiries, transfer timeouts, dropped messages) reach this console;
     # Serve's own chatter (access logs, info) does not.
-    ray.init(address=args.address, include_dashboard=False if args.address is None else None,
+    ray.init(address=args.address or "local", include_dashboard=False if args.address is None else None,
              namespace="raypd", log_to_driver=True, logging_level="WARNING")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # replaces Ray's handler, which would abort without draining;

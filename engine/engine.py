@@ -17,6 +17,7 @@ from engine.request import REQUEST_KINDS, EngineRequest, FirstToken, MultimodalI
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.validation import check_images, check_request
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse, Resume
 from llmapi.sampling_params import SamplingParams
@@ -95,6 +96,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.output.has_pending
 
+    def has_runnable(self) -> bool:
+        """Whether a step would compute something now (not only wait on KV reads or leases)."""
+        return bool(self.scheduler.waiting or self.scheduler.running) or self.output.has_pending
+
     # ---- requests in and out ----
     def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                     disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True,
@@ -111,7 +116,7 @@ class LLMEngine:
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already in use")
-        self._validate(prompt_token_ids, params)
+        check_request(prompt_token_ids, params, self.spec, self.block_manager, self.config.max_num_seqs)
         kind = disaggregated_params.request_type if disaggregated_params else REQUEST_KINDS[0]
         req = EngineRequest(request_id, list(prompt_token_ids), params, kind, cache_salt=params.cache_salt,
                             mm_items=tuple(mm_items), mm_embeddings=tuple(mm_embeddings),
@@ -119,7 +124,7 @@ class LLMEngine:
         if kind == "generation_only":
             self._attach_kv_source(req, disaggregated_params)
         else:
-            self._validate_images(req)
+            check_images(req, self.spec.hidden_size)
         if kind == "context_only":
             self.connector.card()  # fails now, not after the prefill, if this engine cannot hand KV over
         if resume is not None:
@@ -216,36 +221,3 @@ class LLMEngine:
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_waiting_for_kv": len(self.scheduler.waiting_for_kv), "num_preemptions": self.scheduler.num_preemptions,
                 "num_reprefills": self.scheduler.num_reprefills, **kv.extra}
-
-    def _validate_images(self, req: EngineRequest) -> None:
-        """Items in prompt order inside the prompt, each with its (length, hidden) embeddings."""
-        if len(req.mm_embeddings) != len(req.mm_items):
-            raise ValueError(f"{len(req.mm_items)} image(s) in mm_items but {len(req.mm_embeddings)} embedding "
-                             "tensor(s): a prompt's images need their embeddings here")
-        end = 0
-        for i, (item, emb) in enumerate(zip(req.mm_items, req.mm_embeddings)):
-            if item.length < 1 or item.offset < end or item.end > req.num_prompt_tokens:
-                raise ValueError(f"image {i} at positions [{item.offset}, {item.end}) is not inside the prompt "
-                                 f"({req.num_prompt_tokens} tokens) after the previous image")
-            if tuple(emb.shape) != (item.length, self.spec.hidden_size):
-                raise ValueError(f"image {i}: embeddings of shape {tuple(emb.shape)}, expected "
-                                 f"({item.length}, {self.spec.hidden_size})")
-            end = item.end
-
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is needed")
-        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < self.spec.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.spec.vocab_size}): {bad[:5]}")
-        limit = self.spec.max_position_embeddings
-        if len(prompt) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
-            )
-        need = self.block_manager.blocks_for(len(prompt) + params.max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks, the pool has {self.block_manager.num_blocks}")
-        if params.num_candidates > self.config.max_num_seqs:
-            raise ValueError(f"the request has {params.num_candidates} candidates (n / best_of), the engine runs at "
-                             f"most {self.config.max_num_seqs} sequences at once (max_num_seqs)")

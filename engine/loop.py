@@ -16,6 +16,9 @@ from llmapi.outputs import EngineResponse
 
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.02  # how long an idle loop waits for work before stepping (KV leases and imports still advance)
+# With only KV reads or leases outstanding, the loop polls them this often instead of spinning (a spin would hold
+# the GIL from the threads that bring new work and send outputs).
+_POLL_WAIT_S = 0.001
 
 
 class EngineLoop:
@@ -67,7 +70,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
-                self._drain(block=not self.engine.has_unfinished_requests())
+                self._drain(self._wait_s())
                 responses = self.engine.step()
                 if responses:
                     self._sink(responses)
@@ -76,9 +79,15 @@ class EngineLoop:
         self._on_failure(self.failure or RuntimeError("the engine was shut down"))
         self.engine.close()
 
-    def _drain(self, block: bool) -> None:
+    def _wait_s(self) -> float:
+        """How long to wait for new work before the next step (new work ends the wait at once)."""
+        if self.engine.has_runnable():
+            return 0.0
+        return _POLL_WAIT_S if self.engine.has_unfinished_requests() else _IDLE_WAIT_S
+
+    def _drain(self, wait_s: float) -> None:
         try:
-            work = self._work.get(timeout=_IDLE_WAIT_S) if block else self._work.get_nowait()
+            work = self._work.get(timeout=wait_s) if wait_s else self._work.get_nowait()
         except queue.Empty:
             return
         while True:
