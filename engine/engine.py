@@ -9,6 +9,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.executor import ModelExecutor
+from engine.grammar import Grammars
 from engine.kv_cache import KVCache, KVLayout
 from engine.kv_connector import EngineCard, KVConnector, NullConnector
 from engine.model import CausalLM
@@ -75,7 +76,8 @@ class LLMEngine:
                                    config.max_num_seqs)
         self.executor = ModelExecutor(ModelRunner(self.model, self.kv_cache), Sampler(config.seed))
         self.requests: dict[int, EngineRequest] = {}
-        self.output = OutputProcessor(self.spec, self.scheduler, self.kv_cache, self.connector, self.requests)
+        self.output = OutputProcessor(self.spec, self.scheduler, self.kv_cache, self.connector, self.requests,
+                                      Grammars(model_dir, self.spec.vocab_size))
 
     # ---- the loop ----
     def step(self) -> list[EngineResponse]:
@@ -119,14 +121,15 @@ class LLMEngine:
         if kind == "generation_only":
             self._attach_kv_source(req, disaggregated_params)
         else:
-            self._validate_images(req)
+            req.check_images(self.spec.hidden_size)
         if kind == "context_only":
             self.connector.card()  # fails now, not after the prefill, if this engine cannot hand KV over
         if resume is not None:
             self._resume(req, resume)
             return
+        seq = self.output.new_seq(req, 0, list(prompt_token_ids))  # compiles the request's grammar, if any
         self.requests[request_id] = req
-        self.scheduler.add(self.output.new_seq(req, 0, list(prompt_token_ids)))
+        self.scheduler.add(seq)
 
     def _resume(self, req: EngineRequest, resume: Resume) -> None:
         params = req.sampling_params
@@ -139,9 +142,9 @@ class LLMEngine:
             if any(not 0 <= t < self.spec.vocab_size for t in c.token_ids):
                 raise ValueError(f"resumed candidate {c.index}: token ids out of range [0, {self.spec.vocab_size})")
         req.forked = True
+        seqs = [self.output.new_seq(req, c.index, req.prompt_token_ids + list(c.token_ids)) for c in resume.candidates]
         self.requests[req.request_id] = req
-        for c in resume.candidates:
-            seq = self.output.new_seq(req, c.index, req.prompt_token_ids + list(c.token_ids))
+        for seq, c in zip(seqs, resume.candidates):
             seq.cumulative_logprob = c.cumulative_logprob
             self.scheduler.add(seq)
 
@@ -217,21 +220,6 @@ class LLMEngine:
                 "num_waiting_for_kv": len(self.scheduler.waiting_for_kv), "num_preemptions": self.scheduler.num_preemptions,
                 "num_reprefills": self.scheduler.num_reprefills, **kv.extra}
 
-    def _validate_images(self, req: EngineRequest) -> None:
-        """Items in prompt order inside the prompt, each with its (length, hidden) embeddings."""
-        if len(req.mm_embeddings) != len(req.mm_items):
-            raise ValueError(f"{len(req.mm_items)} image(s) in mm_items but {len(req.mm_embeddings)} embedding "
-                             "tensor(s): a prompt's images need their embeddings here")
-        end = 0
-        for i, (item, emb) in enumerate(zip(req.mm_items, req.mm_embeddings)):
-            if item.length < 1 or item.offset < end or item.end > req.num_prompt_tokens:
-                raise ValueError(f"image {i} at positions [{item.offset}, {item.end}) is not inside the prompt "
-                                 f"({req.num_prompt_tokens} tokens) after the previous image")
-            if tuple(emb.shape) != (item.length, self.spec.hidden_size):
-                raise ValueError(f"image {i}: embeddings of shape {tuple(emb.shape)}, expected "
-                                 f"({item.length}, {self.spec.hidden_size})")
-            end = item.end
-
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -240,9 +228,10 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {self.spec.vocab_size}): {bad[:5]}")
         limit = self.spec.max_position_embeddings
         if len(prompt) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
-            )
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                             f"length {limit}")
+        if any(t >= self.spec.vocab_size for t in params.logit_bias or {}):
+            raise ValueError(f"SamplingParams.logit_bias: token ids out of range [0, {self.spec.vocab_size})")
         need = self.block_manager.blocks_for(len(prompt) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks, the pool has {self.block_manager.num_blocks}")

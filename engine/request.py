@@ -60,6 +60,7 @@ class Sequence:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
+    grammar: object = None  # engine.grammar.GrammarMatcher at this sequence's place, when the request has a grammar
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +124,21 @@ class EngineRequest:
     @property
     def finished(self) -> bool:
         return self.forked and all(s.finished for s in self.seqs)
+
+    def check_images(self, hidden_size: int) -> None:
+        """Items in prompt order inside the prompt, each with its (length, hidden) embeddings."""
+        if len(self.mm_embeddings) != len(self.mm_items):
+            raise ValueError(f"{len(self.mm_items)} image(s) in mm_items but {len(self.mm_embeddings)} embedding "
+                             "tensor(s): a prompt's images need their embeddings here")
+        end = 0
+        for i, (item, emb) in enumerate(zip(self.mm_items, self.mm_embeddings)):
+            if item.length < 1 or item.offset < end or item.end > self.num_prompt_tokens:
+                raise ValueError(f"image {i} at positions [{item.offset}, {item.end}) is not inside the prompt "
+                                 f"({self.num_prompt_tokens} tokens) after the previous image")
+            if tuple(emb.shape) != (item.length, hidden_size):
+                raise ValueError(f"image {i}: embeddings of shape {tuple(emb.shape)}, expected "
+                                 f"({item.length}, {hidden_size})")
+            end = item.end
 
     @property
     def can_recompute(self) -> bool:

@@ -1,4 +1,5 @@
-"""Sampler: greedy, temperature, top-k, top-p; logprobs with ranks; reproducible seeded draws.
+"""Sampler: logits processors (logit bias, penalties, grammar mask), then greedy or temperature, top-k, top-p,
+min-p; logprobs with ranks; reproducible seeded draws.
 
 A seeded draw depends only on (seed, candidate index, position), never on the batch or the worker, so a request
 gives the same tokens colocated or disaggregated, alone or batched.
@@ -7,10 +8,12 @@ gives the same tokens colocated or disaggregated, alone or batched.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar import GrammarMatcher
+from engine.logits_processors import apply_min_p, process_logits
 from llmapi.outputs import Logprob, TokenLogprobs
 from llmapi.sampling_params import SamplingParams
 
@@ -20,6 +23,9 @@ class SampleRow:
     params: SamplingParams
     index: int  # candidate index
     position: int  # position of the token being sampled
+    token_ids: list[int] = field(default_factory=list)  # the sequence so far (prompt + output): read by penalties
+    num_prompt_tokens: int = 0
+    grammar: GrammarMatcher | None = None  # the sequence's matcher, when the request has a grammar
 
 
 @dataclass(frozen=True)
@@ -35,16 +41,21 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
         """logits: (R, vocab) fp32, one row per entry of rows."""
+        scores, masked = logits, logits
+        if any(r.params.processes_logits for r in rows):  # else the common path: no copy, no per-row work
+            scores, masked = process_logits(logits, rows)
         temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float32)
-        logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)  # (R, vocab)
-        tokens = logits.argmax(dim=-1)  # greedy rows keep this; ties go to the lowest index
+        logprobs = torch.log_softmax(scores / temps[:, None], dim=-1)  # (R, vocab)
+        tokens = masked.argmax(dim=-1)  # greedy rows keep this; ties go to the lowest index
         for i, row in enumerate(rows):
             if not row.params.greedy:
-                tokens[i] = self._draw(logits[i] / row.params.temperature, row)
+                tokens[i] = self._draw(masked[i] / row.params.temperature, row)
         return [self._sample(logprobs[i], int(tokens[i]), row) for i, row in enumerate(rows)]
 
     def _draw(self, scores: torch.Tensor, row: SampleRow) -> int:
         scores = apply_top_k_top_p(scores, row.params.top_k, row.params.top_p)
+        if row.params.min_p > 0:
+            scores = apply_min_p(scores, row.params.min_p)
         probs = torch.softmax(scores, dim=-1)
         gen = self._generator if row.params.seed is None else _row_generator(row)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p.
