@@ -139,7 +139,8 @@ class OutputProcessor:
             return "stop", None
         if token in params.stop_token_ids:
             return "stop", token
-        if seq.grammar is not None and (seq.grammar.done if num_output_tokens is None else seq.grammar.done_after(token)):
+        grammar = seq.grammar
+        if grammar is not None and (grammar.done if num_output_tokens is None else grammar.done_after(token)):
             return "stop", None  # the grammar is complete: nothing but EOS could follow
         if outputs >= params.max_tokens or seq.request.num_prompt_tokens + outputs >= self.spec.max_position_embeddings:
             return "length", None

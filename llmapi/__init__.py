@@ -6,7 +6,8 @@ from llmapi.result import GenerationResult, RequestError, RequestOutput
 from llmapi.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = [
-    "LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "GenerationResult", "DisaggregatedParams",
+    "LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "GenerationResult",
+    "DisaggregatedParams",
     "Logprob", "MetricNames", "RequestError", "MultimodalEncoder", "MultimodalEmbeddingHandle",
 ]
 

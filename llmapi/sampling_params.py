@@ -48,7 +48,8 @@ def _schema_text(schema) -> str:
     except ValueError as exc:
         raise ValueError(f"SamplingParams.guided_decoding.json is not JSON: {exc}") from None
     if not isinstance(parsed, dict):
-        raise ValueError(f"SamplingParams.guided_decoding.json must be a JSON schema object, got {type(parsed).__name__}")
+        raise ValueError("SamplingParams.guided_decoding.json must be a JSON schema object, got "
+                         f"{type(parsed).__name__}")
     return json.dumps(parsed, sort_keys=True)
 
 

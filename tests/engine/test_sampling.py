@@ -4,6 +4,7 @@ direct reference of OpenAI's presence/frequency penalties, token for token in fp
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -143,10 +144,9 @@ def test_json_object_and_regex(engine, tiny_llama):
                                 guided_decoding=GuidedDecodingParams(json_object=True))
         text = tok.decode(run(engine, {0: [(0, prompt, params)]})[0][0][0], skip_special_tokens=True)
         assert isinstance(json.loads(text), dict), text
-    params = SamplingParams(max_tokens=20, temperature=1.0, seed=0, guided_decoding=GuidedDecodingParams(regex=r"[ab]{3}-\d"))
+    regex = GuidedDecodingParams(regex=r"[ab]{3}-\d")
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=0, guided_decoding=regex)
     tokens = run(engine, {0: [(0, prompt, params)]})[0][0][0]
-    import re
-
     assert re.fullmatch(r"[ab]{3}-\d", tok.decode(tokens, skip_special_tokens=True))
 
 
