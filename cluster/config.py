@@ -96,7 +96,7 @@ class EngineSettings(_Strict):
     kv_cache_bytes: ByteSize | None = Field(
         None, description="KV pool size per engine, e.g. 512MiB or 40GiB (512MiB when neither this nor num_blocks "
                           "is given); excludes num_blocks.")
-    max_num_batched_tokens: int = Field(1024, ge=1, description="Per-step token budget; longer prompts are "
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Per-step token budget; longer prompts are "
                                                                 "prefilled in chunks.")
     max_num_seqs: int = Field(64, ge=1, description="Most requests one engine runs at once.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per engine; unset: torch's "

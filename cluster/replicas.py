@@ -44,20 +44,30 @@ class Membership:
         self.replica_id = replica.unique_id
         self._met: dict[str, str | None] = {}  # peer engine name -> None (met) or why it was refused
         self._counter = 0
+        self._card, self._stats = worker.card(), {}
         self._stop = threading.Event()
-        self.refresh()  # before serving: known peers met, this replica visible
-        self._thread = threading.Thread(target=self._run, name=f"raypd-{role}-directory", daemon=True)
-        self._thread.start()
+        self.tend()  # before serving: known peers met, this replica visible
+        self.beat()
+        # Two threads: the heartbeat never waits on the engine loop or a busy postproc worker, so a replica under
+        # load never looks dead to readers.
+        self._threads = [threading.Thread(target=self._every_period, args=(fn,), name=f"raypd-{role}-{fn.__name__}",
+                                          daemon=True) for fn in (self.beat, self.tend)]
+        for thread in self._threads:
+            thread.start()
 
-    def refresh(self) -> None:
+    def tend(self) -> None:
+        """The slow part: meet new peers, follow restarted postproc workers, read the engine's stats."""
         if self.meets is not None:
             self._meet_new()
         self._follow_postprocs()
-        self._counter += 1
         refused = sum(1 for why in self._met.values() if why)
-        stats = dict(self.worker.stats(), peers_met=len(self._met) - refused, peers_refused=refused)
+        self._stats = dict(self.worker.stats(), peers_met=len(self._met) - refused, peers_refused=refused)
+
+    def beat(self) -> None:
+        """Publish the entry (the counter moves; stats are the latest tend's)."""
+        self._counter += 1
         met = tuple(name for name, why in self._met.items() if why is None)
-        self.directory.publish(self.role, self.replica_id, self.worker.card(), stats, self._counter, met)
+        self.directory.publish(self.role, self.replica_id, self._card, self._stats, self._counter, met)
 
     def _meet_new(self) -> None:
         for entry in self.directory.entries(self.meets):
@@ -83,12 +93,12 @@ class Membership:
                 log.warning("%s replica %s: postproc worker %d is back at a new pipe", self.role, self.replica_id, i)
                 self.worker.reconnect_postproc(i, addr)
 
-    def _run(self) -> None:
+    def _every_period(self, fn) -> None:
         while not self._stop.wait(PERIOD_S):
             try:
-                self.refresh()
+                fn()
             except Exception as exc:  # the directory or the engine is briefly unavailable: keep trying
-                log.warning("%s replica %s: directory refresh failed: %s", self.role, self.replica_id, exc)
+                log.warning("%s replica %s: directory %s failed: %s", self.role, self.replica_id, fn.__name__, exc)
 
     def leave(self) -> None:
         self._stop.set()

@@ -1,12 +1,15 @@
-"""Paged attention over the block-major KV cache, with torch's scaled_dot_product_attention.
+"""Paged attention over the block-major KV cache: the torch reference path, and the metadata both paths share.
 
 One step's tokens are a flat batch: every sequence's new tokens, concatenated. AttentionMetadata turns the step's
-SeqSlices into index and mask tensors once; every layer then reuses them. Decode tokens (one new token per sequence)
-are attended together in one padded SDPA call; prefill chunks one call each, since their query counts differ.
+SeqSlices into index and mask tensors once; every layer then reuses them. Here, decode tokens (one new token per
+sequence) are attended together in padded SDPA calls over a gathered copy of their KV, one call per bucket of
+similar context lengths; prefill chunks one call each, since their query counts differ. The C++ path
+(engine/kernels.py) attends all decode tokens in one call reading the cache in place, and shares the prefill code.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +38,15 @@ class _DecodePlan:
 
 
 @dataclass(frozen=True)
+class DecodeBatch:
+    """Every decode token of a step, for a kernel that reads the paged cache in place (no buckets, no padding read)."""
+
+    rows: torch.Tensor  # (D,) int64 flat-batch rows of the decode tokens
+    tables: torch.Tensor  # (D, max_blocks) int32 block tables, padded with block 0 (never read)
+    context_lens: torch.Tensor  # (D,) int64 keys each token attends: its position + 1
+
+
+@dataclass(frozen=True)
 class _PrefillPlan:
     row: int  # first flat-batch row of the chunk
     start: int
@@ -45,16 +57,22 @@ class _PrefillPlan:
 class AttentionMetadata:
     """Index and mask tensors of one step, built once and shared by all layers.
 
+    What only one path reads (the reference path's decode buckets, the kernels' decode batch) is built on first use.
     Masks that depend on the sliding window are built on first use per distinct window and kept here, so a model whose
     layers alternate windows builds each mask once per step.
     """
 
-    def __init__(self, num_tokens, write_blocks, write_offsets, decode, prefills, block_size):
+    def __init__(self, num_tokens, write_blocks, write_offsets, tables, starts, starts_list, first_row, decode_index,
+                 prefills, block_size):
         self.num_tokens = num_tokens
         self.device = write_blocks.device
         self.write_blocks = write_blocks  # (T,) block of each new token
         self.write_offsets = write_offsets  # (T,) slot inside that block
-        self.decode: list[_DecodePlan] = decode  # buckets of decode tokens with similar context lengths
+        self._tables = tables  # (S, max_blocks) padded block tables
+        self._starts = starts  # (S,) tokens already cached per slice
+        self._starts_list = starts_list  # the same, as Python ints
+        self._first_row = first_row  # (S,) flat row of each slice's first new token
+        self._decode_index = decode_index  # slices with one new token, in flat-batch order
         self.prefills: list[_PrefillPlan] = prefills
         self.block_size = block_size
         self._masks: dict[tuple, tuple] = {}
@@ -65,25 +83,56 @@ class AttentionMetadata:
         if not slices:
             raise ValueError("AttentionMetadata.build needs at least one SeqSlice")
         tables = _padded_tables(slices, block_size, device)  # (S, max_blocks)
-        starts = torch.tensor([s.start for s in slices], dtype=torch.long, device=device)  # (S,)
-        counts = torch.tensor([s.num_new for s in slices], dtype=torch.long, device=device)  # (S,)
-        num_tokens = int(counts.sum())
-        seq_of_token = torch.repeat_interleave(torch.arange(len(slices), device=device), counts)  # (T,)
-        first_row = torch.cumsum(counts, 0) - counts  # (S,)
-        pos = torch.arange(num_tokens, device=device) - first_row[seq_of_token] + starts[seq_of_token]  # (T,)
+        starts_list = [s.start for s in slices]
+        counts_list = [s.num_new for s in slices]
+        first_rows, rows = [], 0
+        for n in counts_list:
+            first_rows.append(rows)
+            rows += n
+        starts = torch.tensor(starts_list, dtype=torch.long, device=device)  # (S,)
+        first_row = torch.tensor(first_rows, dtype=torch.long, device=device)  # (S,)
+        if rows == len(slices):  # decode only: one token per slice, at position start
+            pos, seq_of_token = starts, torch.arange(len(slices), device=device)  # (T,), (T,)
+        else:
+            counts = torch.tensor(counts_list, dtype=torch.long, device=device)  # (S,)
+            seq_of_token = torch.repeat_interleave(torch.arange(len(slices), device=device), counts)  # (T,)
+            pos = torch.arange(rows, device=device) - first_row[seq_of_token] + starts[seq_of_token]  # (T,)
         write_blocks = tables[seq_of_token, pos // block_size]  # (T,)
-        decode = _decode_plans(slices, tables, first_row, starts, block_size)
-        prefills = _prefill_plans(slices, tables, first_row.tolist(), block_size)
-        return cls(num_tokens, write_blocks, pos % block_size, decode, prefills, block_size)
+        decode_index = [i for i, n in enumerate(counts_list) if n == 1]
+        prefills = _prefill_plans(slices, tables, first_rows, block_size)
+        return cls(rows, write_blocks, pos % block_size, tables, starts, starts_list, first_row, decode_index,
+                   prefills, block_size)
+
+    @property
+    def num_decode(self) -> int:
+        return len(self._decode_index)
+
+    @functools.cached_property
+    def decode(self) -> list[_DecodePlan]:
+        """The reference path's decode buckets: sequences of similar context lengths, padded to the longest."""
+        return _decode_plans(self._decode_index, self._tables, self._first_row, self._starts, self._starts_list,
+                             self.block_size)
+
+    @functools.cached_property
+    def decode_batch(self) -> DecodeBatch:
+        idx = torch.tensor(self._decode_index, dtype=torch.long, device=self.device)  # (D,)
+        starts = self._starts[idx]
+        width = _blocks_needed(max(self._starts_list[i] for i in self._decode_index) + 1, self.block_size)
+        tables = self._tables[idx, :width].to(torch.int32).contiguous()  # (D, width)
+        return DecodeBatch(rows=self._first_row[idx], tables=tables, context_lens=starts + 1)
 
     def masks(self, window: int | None, dtype: torch.dtype) -> tuple[list, list]:
         """(one mask (D, 1, 1, L) or None per decode bucket, one mask (1, 1, n, L) or None per prefill), additive
         (0 or -inf) in the query dtype: SDPA would otherwise convert a boolean mask in every layer."""
-        key = (window, dtype)
+        key = ("decode", window, dtype)
         if key not in self._masks:
-            decode = [_additive(_decode_mask(p, self.block_size, window), dtype) for p in self.decode]
-            prefill = [_additive(_prefill_mask(p, window, self.device), dtype) for p in self.prefills]
-            self._masks[key] = (decode, prefill)
+            self._masks[key] = [_additive(_decode_mask(p, self.block_size, window), dtype) for p in self.decode]
+        return self._masks[key], self.prefill_masks(window, dtype)
+
+    def prefill_masks(self, window: int | None, dtype: torch.dtype) -> list:
+        key = ("prefill", window, dtype)
+        if key not in self._masks:
+            self._masks[key] = [_additive(_prefill_mask(p, window, self.device), dtype) for p in self.prefills]
         return self._masks[key]
 
 
@@ -108,8 +157,8 @@ def _padded_tables(slices: list[SeqSlice], block_size: int, device) -> torch.Ten
 _BUCKET_FILL = 0.8
 
 
-def _decode_plans(slices, tables, first_row, starts, block_size) -> list[_DecodePlan]:
-    width = {i: _blocks_needed(s.start + 1, block_size) for i, s in enumerate(slices) if s.num_new == 1}
+def _decode_plans(decode_index, tables, first_row, starts, starts_list, block_size) -> list[_DecodePlan]:
+    width = {i: _blocks_needed(starts_list[i] + 1, block_size) for i in decode_index}
     buckets: list[list[int]] = []
     for i in sorted(width, key=width.get, reverse=True):
         if not buckets or width[i] < _BUCKET_FILL * width[buckets[-1][0]]:
@@ -178,7 +227,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
         out[plan.rows] = _decode_attention(q[plan.rows], k_cache, v_cache, plan, mask, scale)
     for plan, mask in zip(meta.prefills, prefill_masks):
         rows = slice(plan.row, plan.row + plan.num_new)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, plan, mask, scale)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, plan, mask, scale)
     return out
 
 
@@ -203,7 +252,8 @@ def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, mask, scale) -> to
     return out.reshape(d, heads, head_dim)
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, plan: _PrefillPlan, mask, scale) -> torch.Tensor:
+def prefill_attention(q, k, v, k_cache, v_cache, plan: _PrefillPlan, mask, scale) -> torch.Tensor:
+    """One prefill chunk (n, heads, head_dim) against its whole context: fresh k/v when it starts at 0, else the cache."""
     if plan.blocks is None:
         keys, values = k, v  # the chunk is the whole context: no need to read back what was just written
     else:

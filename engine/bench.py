@@ -27,7 +27,6 @@ from functools import partial
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from engine.config import load_spec  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -234,15 +233,16 @@ class DecodeStats:
         return self.achieved_flops / self.matmul_flops
 
 
-def linear_weights(engine: LLMEngine) -> list[torch.Tensor]:
-    """Every matmul weight a decode token goes through (q/k/v, o, gate/up, down per layer; lm_head): (out, in)."""
-    return [m.weight for name, m in engine.model.named_modules() if isinstance(m, torch.nn.Linear)]
+def linears(engine: LLMEngine) -> list[torch.nn.Linear]:
+    """Every matmul a decode token goes through (q/k/v, o, gate/up, down per layer; lm_head), as the model runs
+    them (packed for oneDNN where it is, so the plain weight may be gone: shapes come from in/out_features)."""
+    return [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 def token_flops(engine: LLMEngine, context: int) -> float:
     """FLOPs of one token attending to `context` positions: 2 per weight of every linear, plus QK^T and AV."""
     spec = engine.spec
-    dense = 2 * sum(w.numel() for w in linear_weights(engine))
+    dense = 2 * sum(m.in_features * m.out_features for m in linears(engine))
     return dense + 4 * spec.num_layers * context * spec.num_heads * spec.head_dim
 
 
@@ -271,22 +271,22 @@ def measure_decode(model_dir, wl: Workload, max_num_batched_tokens: int, steps: 
         engine.step()
     step_s = (time.perf_counter() - start) / steps
     assert engine.scheduler.running == seqs, "a sequence finished or was preempted inside the timed decode steps"
-    matmul_s, matmul_flops = time_linears(linear_weights(engine), len(seqs))
+    matmul_s, matmul_flops = time_linears(linears(engine), len(seqs), engine.model.dtype)
     return DecodeStats(len(seqs), steps, step_s, flops / steps / step_s, matmul_flops, matmul_s)
 
 
-def time_linears(weights: list[torch.Tensor], batch: int, reps: int = 20) -> tuple[float, float]:
-    """Seconds per pass and FLOP/s of (batch, in) @ (in, out) for each weight in turn: one decode step's matmuls."""
-    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+def time_linears(layers: list[torch.nn.Linear], batch: int, dtype: torch.dtype, reps: int = 20) -> tuple[float, float]:
+    """Seconds per pass and FLOP/s of the model's own linears on (batch, in) inputs: one decode step's matmuls."""
+    x = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in layers}
     with torch.inference_mode():
-        for w in weights:
-            F.linear(x[w.shape[1]], w)
+        for m in layers:
+            m(x[m.in_features])
         start = time.perf_counter()
         for _ in range(reps):
-            for w in weights:
-                F.linear(x[w.shape[1]], w)
+            for m in layers:
+                m(x[m.in_features])
     seconds = (time.perf_counter() - start) / reps
-    return seconds, 2 * batch * sum(w.numel() for w in weights) / seconds
+    return seconds, 2 * batch * sum(m.in_features * m.out_features for m in layers) / seconds
 
 
 # ---- report ----

@@ -28,7 +28,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = 512 << 20
-    max_num_batched_tokens: int = 1024  # per-step token budget; prompts longer than this are prefilled in chunks
+    max_num_batched_tokens: int = 2048  # per-step token budget; prompts longer than this are prefilled in chunks
     max_num_seqs: int = 64
     dtype: str | None = None  # None: the checkpoint's dtype
     device: str = "cpu"

@@ -1,7 +1,8 @@
 """The decoder-only transformer of the Llama family (Llama, Qwen2, Qwen3, Mistral) over a flat batch and a paged cache.
 
 Every op follows transformers' modeling files in order and dtype (see PARITY.md), so greedy tokens match theirs.
-q/k/v and gate/up projections are fused into one matmul each: fewer kernel launches, the same dot products.
+q/k/v and gate/up projections are fused into one matmul each: fewer kernel launches, the same dot products. The
+elementwise ops and attention run through `ops` (engine/kernels.py): C++ CPU kernels, or their torch reference.
 """
 
 from __future__ import annotations
@@ -10,110 +11,160 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata
 from engine.config import ModelSpec, load_spec
+from engine.kernels import REFERENCE, TorchOps, apply_rope, select_ops, split_heads
 from engine.kv_cache import KVCache, KVLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can swap its weight for oneDNN's blocked copy of it (pack): on a CPU that runs the dtype in
+    oneDNN, the packed matmul reads the weight ~1.4x faster at decode batch sizes (where a step is bound by reading
+    the weights) and no slower for prefill; outputs match F.linear to the last bits or within summation order."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed: torch.Tensor | None = None
+
+    def pack(self, free_weight: bool) -> None:
+        """free_weight: drop the plain weight (kept when another module shares it, as a tied lm_head does)."""
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
+        if free_weight:
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+# oneDNN picks its blocked layout for this many rows; measured on the bench shapes, 16 serves decode steps best and
+# costs nothing for prefill chunks of 1024.
+_PACK_BATCH_HINT = 16
+
+
+def can_pack(dtype: torch.dtype, device) -> bool:
+    """Whether this CPU runs dtype's matmuls in oneDNN (bf16 needs AVX-512 BF16 or AMX; fp16 AVX-512 FP16)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return dtype == torch.float32
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: TorchOps):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, cast back, *then* scale: the order transformers uses, which matters in bf16.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, head_dim), cos/sin (T, 1, head_dim): rotation by halves (not interleaved pairs)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, norm(x + residual)); x may be overwritten with the sum."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int):
+    def __init__(self, spec: ModelSpec, layer_idx: int, ops: TorchOps):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.splits = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.splits), bias=spec.attention_bias)
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.attention_bias)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         # Qwen3 norms each head of q and k before RoPE.
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
         self.window = spec.sliding_windows[layer_idx]
         self.scale = spec.head_dim**-0.5
+        self.ops = ops
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # (T, heads, head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(t, -1))
+        qkv = self.qkv_proj(x)  # (T, (heads + 2 kv_heads) * head_dim)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            q, k, v = self.ops.rope(qkv, cos, sin, *heads)  # (T, heads | kv_heads | kv_heads, head_dim)
+        else:
+            q, k, v = split_heads(qkv, *heads)
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        out = self.ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # (T, heads, hd)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, ops: TorchOps):
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int):
+    def __init__(self, spec: ModelSpec, layer_idx: int, ops: TorchOps):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer_idx)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.self_attn = Attention(spec, layer_idx, ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.mlp = MLP(spec, ops)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        x, h = self.post_attention_layernorm.add_norm(x, attn)  # x + attn, and its norm
+        return x + self.mlp(h)
 
 
 class CausalLM(nn.Module):
-    """Construct with from_pretrained; the caller runs forward under torch.inference_mode."""
+    """Construct with from_pretrained; the caller runs forward under torch.inference_mode.
 
-    def __init__(self, spec: ModelSpec):
+    ops: how the fused ops run: the C++ CPU kernels where they build, else (and on other devices) torch."""
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps = REFERENCE):
         super().__init__()
         self.spec = spec
+        self.ops = ops
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, ops) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     @classmethod
-    def from_pretrained(cls, model_dir, dtype: str | None = None, device="cpu") -> CausalLM:
+    def from_pretrained(cls, model_dir, dtype: str | None = None, device="cpu", ops: TorchOps | None = None,
+                        pack: bool = True) -> CausalLM:
+        """ops: None picks the fastest that runs here (select_ops); pack: repack linear weights for oneDNN where
+        this CPU runs the dtype there (Linear.pack)."""
         from engine.loader import load_weights  # the loader names this module's parameters
 
         spec = load_spec(model_dir)
         dtype = dtype or spec.checkpoint_dtype
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+        ops = ops or select_ops(DTYPES[dtype], device)
         with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
-            model = cls(spec)
+            model = cls(spec, ops)
         model = model.to(DTYPES[dtype]).to_empty(device=device)
         if spec.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model._init_rope(device)
         load_weights(model, model_dir)
+        if pack and can_pack(model.dtype, device):
+            model._pack_linears()
         return model.eval()
+
+    def _pack_linears(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                # A tied lm_head's weight is the embedding table, which token lookups still need.
+                module.pack(free_weight=module.weight is not self.embed_tokens.weight)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -152,4 +203,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (R, hidden) -> logits (R, vocab) float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()

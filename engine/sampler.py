@@ -44,13 +44,22 @@ class Sampler:
         scores, masked = logits, logits
         if any(r.params.processes_logits for r in rows):  # else the common path: no copy, no per-row work
             scores, masked = process_logits(logits, rows)
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float32)
-        logprobs = torch.log_softmax(scores / temps[:, None], dim=-1)  # (R, vocab)
-        tokens = masked.argmax(dim=-1)  # greedy rows keep this; ties go to the lowest index
+        temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
+        # Greedy rows (and temperature 1) divide by 1: skip a pass over (R, vocab) when every row does.
+        scaled = scores if all(t == 1.0 for t in temps) else scores / torch.tensor(temps)[:, None]
+        logprobs = torch.log_softmax(scaled, dim=-1)  # (R, vocab)
+        # Greedy rows keep this; ties go to the lowest index (max(dim) returns the first maximal value, like
+        # argmax, and is ~2.5x faster on CPU).
+        tokens = masked.max(dim=-1).indices
         for i, row in enumerate(rows):
             if not row.params.greedy:
                 tokens[i] = self._draw(masked[i] / row.params.temperature, row)
-        return [self._sample(logprobs[i], int(tokens[i]), row) for i, row in enumerate(rows)]
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()  # one op for every row's logprob
+        out = []
+        for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
+            k = row.params.logprobs
+            out.append(Sample(token, chosen[i], None if k is None else top_logprobs(logprobs[i], token, k)))
+        return out
 
     def _draw(self, scores: torch.Tensor, row: SampleRow) -> int:
         scores = apply_top_k_top_p(scores, row.params.top_k, row.params.top_p)
@@ -61,14 +70,6 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p.
         noise = torch.empty_like(probs).exponential_(generator=gen)
         return int((probs / noise).argmax())
-
-    @staticmethod
-    def _sample(logprobs: torch.Tensor, token: int, row: SampleRow) -> Sample:
-        chosen = float(logprobs[token])
-        k = row.params.logprobs
-        if k is None:
-            return Sample(token, chosen, None)
-        return Sample(token, chosen, top_logprobs(logprobs, token, k))
 
 
 def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:

@@ -5,7 +5,7 @@ deterministically (same arguments -> byte-identical files), in the exact on-disk
 real checkpoint (config.json, safetensors, tokenizer.json), so the loader, tokenizer and
 detokenizer paths are the ones a real model would take.
 
-    python -m engine.tiny models/tiny-llama [--arch llama] [--size tiny] [--seed 0] [--dtype float32]
+    python -m engine.tiny models/tiny-llama [--arch llama] [--size tiny|bench|0.5b|1b] [--seed 0] [--dtype float32]
     python -m engine.tiny models/tiny-llava --arch llava [--text-arch llama] [--vision clip|siglip]
 
 A llava checkpoint is LlavaForConditionalGeneration (a tiny CLIP or SigLIP tower, the MLP projector, one of the text
@@ -74,7 +74,7 @@ MULTIMODAL_CHAT_TEMPLATE = (
 
 @dataclasses.dataclass(frozen=True)
 class TinySize:
-    """Shape of one model size; vocab_size is the BPE target, the model gets len(tokenizer)."""
+    """Shape of one model size; vocab_size is the BPE target, the model gets len(tokenizer) (or model_vocab_size)."""
 
     vocab_size: int
     hidden_size: int
@@ -83,6 +83,10 @@ class TinySize:
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int
+    # Embedding rows when a real checkpoint pads its vocab past the tokenizer's (Qwen2.5: 151,936 rows, 151,665
+    # tokens); None: exactly the tokenizer's size.
+    model_vocab_size: int | None = None
+    tie_word_embeddings: bool = False
 
 
 SIZES = {
@@ -90,6 +94,11 @@ SIZES = {
     "tiny": TinySize(4096, 256, 512, 4, 4, 2, 2048),
     # ~19M params: large enough for batching and KV-transfer costs to show in benchmarks.
     "bench": TinySize(8192, 384, 1024, 8, 6, 2, 4096),
+    # Qwen2.5-0.5B's layer shapes (use with --arch qwen2): ~0.5B params, 136M of them the tied embedding. The
+    # corpus yields a ~52k-token BPE, so the embedding is padded to Qwen2.5's row count, as its checkpoint is.
+    "0.5b": TinySize(151_936, 896, 4864, 24, 14, 2, 32768, model_vocab_size=151_936, tie_word_embeddings=True),
+    # Llama-3.2-1B's layer shapes: ~1.2B params, for the GPU check (engine/gpu_check.py).
+    "1b": TinySize(128_256, 2048, 8192, 16, 32, 8, 131072, model_vocab_size=128_256, tie_word_embeddings=True),
 }
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +262,8 @@ def build_tokenizer(vocab_size: int, image_token: bool = False) -> transformers.
 
 def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
     kwargs = dataclasses.asdict(size)
-    kwargs.update(initializer_range=INITIALIZER_RANGE, tie_word_embeddings=False)
+    kwargs.pop("model_vocab_size")
+    kwargs.update(initializer_range=INITIALIZER_RANGE)
     if arch == "mistral":
         kwargs["sliding_window"] = 4096  # explicit: the engine must not rely on HF's default
     kwargs.update(overrides)
@@ -264,7 +274,7 @@ def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
 
 
 def make_config(arch: str = "llama", size: str = "tiny", image_token: bool = False, **config_overrides):
-    """(config, tokenizer) for arch and size; config.vocab_size == len(tokenizer) exactly.
+    """(config, tokenizer) for arch and size; config.vocab_size == len(tokenizer) exactly, unless the size pads it.
 
     A vocab_size override is the BPE target; the model gets the vocab the trainer reached.
     """
@@ -275,7 +285,7 @@ def make_config(arch: str = "llama", size: str = "tiny", image_token: bool = Fal
     kwargs = _config_kwargs(arch, SIZES[size], config_overrides)
     tokenizer = build_tokenizer(kwargs["vocab_size"], image_token)
     kwargs.update(
-        vocab_size=len(tokenizer),
+        vocab_size=max(len(tokenizer), SIZES[size].model_vocab_size or 0),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -73,7 +73,7 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
         got: dict = {"text": "", "reason": None, "chunks": 0}
 
         def stream() -> None:
-            for chunk in client.completions.create(model="tiny-llava", prompt="drain me", max_tokens=600,
+            for chunk in client.completions.create(model="tiny-llava", prompt="drain me", max_tokens=1500,
                                                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
                 got["chunks"] += 1
                 got["text"] += chunk.choices[0].text
@@ -85,12 +85,12 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
             assert streaming.is_alive(), "the stream ended before SIGTERM"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(2.0)  # every ingress replica has seen the drain
+        time.sleep(1.3)  # every ingress replica has seen the drain (they look every second); the stream goes on
         refused = httpx.post(f"{base}/v1/completions", json={"model": "tiny-llava", "prompt": "late", "max_tokens": 2},
                              timeout=30)
         assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
         streaming.join(120)
-        assert got["reason"] == "length" and got["chunks"] >= 500, got  # it finished, whole
+        assert got["reason"] == "length" and got["chunks"] >= 1000, got  # it finished, whole
         assert proc.wait(90) == 0
         out = log_path.read_text()
         assert "raypd: stopped" in out and "Traceback" not in out, out[-3000:]

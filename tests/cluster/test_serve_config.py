@@ -162,7 +162,7 @@ def _replicas() -> dict[str, set[str]]:
 
 def test_serve_deploy_rescales_decode_in_place(served, client):
     before = _replicas()
-    assert {role: len(ids) for role, ids in before.items()} == {"prefill": 1, "decode": 1, "ingress": 1}
+    assert {role: len(ids) for role, ids in before.items()} == {"encoder": 1, "prefill": 1, "decode": 1, "ingress": 1}
     config = yaml.safe_load(SERVE_CONFIG.read_text())
     config["applications"][0]["deployments"] = [{"name": "decode", "num_replicas": 2}]
     (served["work"] / "rescaled.yaml").write_text(yaml.safe_dump(config))

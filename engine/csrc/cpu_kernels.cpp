@@ -1,0 +1,543 @@
+// CPU kernels of the engine's execution path, built at first use by engine/kernels.py (torch.utils.cpp_extension,
+// -O3 -march=native).
+//
+// Each has a torch reference (engine/kernels.py TorchOps) that tests/engine/test_kernels.py compares it with.
+// Elementwise kernels round to the tensor dtype exactly where the reference stores an intermediate tensor, so bf16
+// results match it except where a reduction sums in another order. Math is fp32; tensors are float32, bfloat16 or
+// float16. Hot loops use AVX-512 where the compiler targets it (explicitly: GCC leaves these loops scalar) and a
+// scalar path elsewhere; both compute the same formulas.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RAYPD_AVX512 1
+#include <immintrin.h>
+#endif
+
+// The dtypes a model runs in (no double).
+#define DISPATCH_FLOATS(TYPE, NAME, ...)                                                            \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                          \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace {
+
+// ---- scalars ----
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T> inline T from_f(float x);
+template <> inline float from_f<float>(float x) { return x; }
+template <> inline c10::BFloat16 from_f<c10::BFloat16>(float x) {
+  // Round to nearest even, as torch's own float -> bfloat16 conversion does.
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  uint16_t out = std::isnan(x) ? uint16_t(0x7FC0) : uint16_t((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16);
+  return c10::BFloat16(out, c10::BFloat16::from_bits());
+}
+template <> inline c10::Half from_f<c10::Half>(float x) { return c10::Half(x); }
+
+// Rounds a float to T's precision and back: where the torch reference stores an intermediate tensor in T.
+template <typename T> inline float round_to(float x) { return to_f(from_f<T>(x)); }
+
+// exp, Cephes' single-precision polynomial (~1 ulp), clamped to where float neither overflows nor goes subnormal.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+
+inline float exp_f(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * kLog2e + 0.5f);
+  const float r = x - n * kLn2Hi - n * kLn2Lo;
+  float p = kP0;
+  p = p * r + kP1;
+  p = p * r + kP2;
+  p = p * r + kP3;
+  p = p * r + kP4;
+  p = p * r + kP5;
+  p = p * r * r + r + 1.0f;
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+inline float silu_f(float x) { return x / (1.f + exp_f(-x)); }
+
+#ifdef RAYPD_AVX512
+// ---- 16 floats at a time ----
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// float -> bfloat16 bits (round to nearest even, NaN -> 0x7FC0) in the low half of each 32-bit lane
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i out = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(out, nan, _mm512_set1_epi32(0x7FC0));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+template <typename T> inline __m512 round16(__m512 v);
+template <> inline __m512 round16<float>(__m512 v) { return v; }
+template <> inline __m512 round16<c10::BFloat16>(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+template <> inline __m512 round16<c10::Half>(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 silu16(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+// [sum(v[0]), ..., sum(v[15])]: 16 horizontal sums in 15 shuffle-and-add steps instead of 16 separate reductions.
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512* a = v + 4 * q;
+    // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] for pairs (v0, v1) and (v2, v3)
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    // per lane: that lane's sum of each of the four vectors
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1));
+    w[q] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // sum the four lanes: pairs of lanes, then pairs of pairs
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+#endif
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// ---- paged KV: write ----
+template <typename T>
+void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
+  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  const int64_t c0 = k_cache.stride(0), c1 = k_cache.stride(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t dst = blocks[t] * c0 + offsets[t] * c1;
+    std::memcpy(kc + dst, kp + t * ks, row * sizeof(T));
+    std::memcpy(vc + dst, vp + t * vs, row * sizeof(T));
+  }
+}
+
+// k, v: (T, kv_heads, head_dim), each token's (kv_heads, head_dim) contiguous (views into the qkv output are).
+// k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim) views of the arena, each slot contiguous.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_blocks, torch::Tensor slot_offsets) {
+  for (auto* t : {&k, &v, &k_cache, &v_cache}) check_cpu(*t, "write_kv tensor");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "write_kv: k and v must be (T, kv_heads, head_dim)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) &&
+              v_cache.sizes() == k_cache.sizes(), "write_kv: cache must be (blocks, block_size, kv_heads, head_dim)");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "write_kv: each token's k and v must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+              v_cache.strides() == k_cache.strides(), "write_kv: each cache slot must be contiguous");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+              k.scalar_type() == v.scalar_type(), "write_kv: k/v and cache dtypes differ");
+  TORCH_CHECK(slot_blocks.scalar_type() == torch::kLong && slot_offsets.scalar_type() == torch::kLong &&
+              slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.numel() == k.size(0) &&
+              slot_offsets.numel() == k.size(0), "write_kv: slots must be contiguous int64 (T,)");
+  DISPATCH_FLOATS(k.scalar_type(), "write_kv", [&] {
+    write_kv_impl<scalar_t>(k, v, k_cache, v_cache, slot_blocks, slot_offsets);
+  });
+}
+
+// ---- paged KV: decode attention, read in place ----
+// One (sequence, KV head) item: its `group` query heads attend the same keys, so each key and value row is read
+// (and converted to fp32) once for all of them. Keys go in chunks of 16 through an fp32 buffer; scores are kept
+// for the whole context (two passes: scores and softmax, then the weighted sum of values).
+struct DecodeItem {
+  const float* q;  // (group, dim) queries, already multiplied by the scale
+  int64_t group, dim, first, n;  // keys [first, first + n)
+  const int32_t* table;
+  int64_t block_size, c0, c1, kv_offset;  // element offset of a key row: table[p / bs] * c0 + (p % bs) * c1 + kv_offset
+};
+
+template <typename T>
+inline const T* key_row(const T* base, const DecodeItem& it, int64_t pos) {
+  return base + it.table[pos / it.block_size] * it.c0 + (pos % it.block_size) * it.c1 + it.kv_offset;
+}
+
+// scores (group, n_pad) <- q . k, then softmax in place over the first n of each row
+template <typename T>
+void scores_softmax_scalar(const T* kc, const DecodeItem& it, float* scores, int64_t n_pad) {
+  for (int64_t j = 0; j < it.n; ++j) {
+    const T* k = key_row(kc, it, it.first + j);
+    for (int64_t g = 0; g < it.group; ++g) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < it.dim; ++d) dot += it.q[g * it.dim + d] * to_f(k[d]);
+      scores[g * n_pad + j] = dot;
+    }
+  }
+  for (int64_t g = 0; g < it.group; ++g) {
+    float* s = scores + g * n_pad;
+    const float mx = *std::max_element(s, s + it.n);
+    float sum = 0.f;
+    for (int64_t j = 0; j < it.n; ++j) sum += (s[j] = exp_f(s[j] - mx));
+    for (int64_t j = 0; j < it.n; ++j) s[j] /= sum;
+  }
+}
+
+template <typename T>
+void weighted_values_scalar(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc) {
+  std::fill(acc, acc + it.group * it.dim, 0.f);
+  for (int64_t j = 0; j < it.n; ++j) {
+    const T* v = key_row(vc, it, it.first + j);
+    for (int64_t g = 0; g < it.group; ++g)
+      for (int64_t d = 0; d < it.dim; ++d) acc[g * it.dim + d] += probs[g * n_pad + j] * to_f(v[d]);
+  }
+}
+
+#ifdef RAYPD_AVX512
+// The fp32 rows of one chunk of up to 16 keys starting at position c: the cache rows themselves for fp32, else
+// converted into buf; rows past the context point at zeros.
+template <typename T>
+void chunk_rows(const T* cache, const DecodeItem& it, int64_t c, float* buf, const float* zeros, const float** rows) {
+  const int64_t cnt = std::min<int64_t>(16, it.n - c), dv = it.dim / 16;
+  for (int64_t j = 0; j < 16; ++j) {
+    if (j >= cnt) {
+      rows[j] = zeros;
+    } else if constexpr (std::is_same_v<T, float>) {
+      rows[j] = key_row(cache, it, it.first + c + j);
+    } else {
+      const T* src = key_row(cache, it, it.first + c + j);
+      for (int64_t i = 0; i < dv; ++i) _mm512_storeu_ps(buf + j * it.dim + 16 * i, load16(src + 16 * i));
+      rows[j] = buf + j * it.dim;
+    }
+  }
+}
+
+template <typename T>
+void scores_softmax_avx512(const T* kc, const DecodeItem& it, float* scores, int64_t n_pad, float* kbuf,
+                           const float* zeros) {
+  const int64_t dim = it.dim, dv = dim / 16;
+  const float* rows[16];
+  for (int64_t c = 0; c < it.n; c += 16) {
+    chunk_rows(kc, it, c, kbuf, zeros, rows);  // converted once, read by every query head of the group
+    for (int64_t g = 0; g < it.group; ++g) {
+      const float* q = it.q + g * dim;
+      __m512 part[16];
+      for (int64_t j = 0; j < 16; ++j) part[j] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < dv; ++i) {
+        const __m512 qv = _mm512_loadu_ps(q + 16 * i);
+        for (int64_t j = 0; j < 16; ++j) part[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[j] + 16 * i), part[j]);
+      }
+      _mm512_storeu_ps(scores + g * n_pad + c, hsum16(part));
+    }
+  }
+  const int64_t full = it.n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (it.n - full)) - 1);
+  for (int64_t g = 0; g < it.group; ++g) {
+    float* s = scores + g * n_pad;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(s + full));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n_pad; j += 16) {
+      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+      if (j == full) e = _mm512_maskz_mov_ps(tail, e);  // padding gets probability 0
+      _mm512_storeu_ps(s + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t j = 0; j < n_pad; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+  }
+}
+
+template <typename T>
+void weighted_values_avx512(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc,
+                            float* vbuf, const float* zeros) {
+  const int64_t dim = it.dim, dv = dim / 16;
+  const float* rows[16];
+  std::fill(acc, acc + it.group * dim, 0.f);
+  for (int64_t c = 0; c < it.n; c += 16) {
+    const int64_t cnt = std::min<int64_t>(16, it.n - c);
+    chunk_rows(vc, it, c, vbuf, zeros, rows);
+    for (int64_t g = 0; g < it.group; ++g) {
+      const float* p = probs + g * n_pad + c;
+      float* a = acc + g * dim;
+      for (int64_t i = 0; i < dv; ++i) {
+        __m512 sum = _mm512_loadu_ps(a + 16 * i);
+        for (int64_t j = 0; j < cnt; ++j) sum = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(rows[j] + 16 * i), sum);
+        _mm512_storeu_ps(a + 16 * i, sum);
+      }
+    }
+  }
+}
+#endif
+
+template <typename T>
+void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, const torch::Tensor& tables, const torch::Tensor& rows,
+                           const torch::Tensor& context_lens, int64_t window, double scale) {
+  const int64_t seqs = tables.size(0), width = tables.size(1);
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+#ifdef RAYPD_AVX512
+  const bool simd = dim % 16 == 0;
+#endif
+
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores, kbuf(16 * dim), zeros(dim, 0.f);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, kh = item % kv_heads;
+      const int64_t len = ctx[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      TORCH_CHECK(len >= 1 && len <= width * block_size, "decode_attention: sequence ", s, " has ", len,
+                  " keys for a table of ", width, " blocks");
+      const T* qrow = qp + row_of[s] * qs0 + kh * group * qs1;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_f(qrow[g * qs1 + d]) * fscale;
+      const DecodeItem it{qf.data(), group, dim, first, len - first, tab + s * width, block_size,
+                          k_cache.stride(0), k_cache.stride(1), kh * k_cache.stride(2)};
+      const int64_t n_pad = (it.n + 15) / 16 * 16;
+      scores.resize(group * n_pad);
+#ifdef RAYPD_AVX512
+      if (simd) {
+        scores_softmax_avx512(kc, it, scores.data(), n_pad, kbuf.data(), zeros.data());
+        weighted_values_avx512(vc, it, scores.data(), n_pad, acc.data(), kbuf.data(), zeros.data());
+      } else
+#endif
+      {
+        scores_softmax_scalar(kc, it, scores.data(), n_pad);
+        weighted_values_scalar(vc, it, scores.data(), n_pad, acc.data());
+      }
+      T* orow = op + row_of[s] * os0 + kh * group * os1;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d) orow[g * os1 + d] = from_f<T>(acc[g * dim + d]);
+    }
+  });
+}
+
+// Attention of one query per sequence over its paged context, reading the cache in place (no gathered copy).
+// out, q: (T, heads, head_dim), rows [s] of sequence s written; k_cache, v_cache as for write_kv; tables: (S, W)
+// int32 block ids; rows: (S,) int64 flat rows; context_lens: (S,) int64 keys per sequence (query position + 1);
+// window: 0 = full, else only keys with position > query position - window.
+void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor tables, torch::Tensor rows, torch::Tensor context_lens, int64_t window,
+                      double scale) {
+  for (auto* t : {&out, &q, &k_cache, &v_cache, &tables}) check_cpu(*t, "decode_attention tensor");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "decode_attention: q and out must be (T, heads, head_dim)");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "decode_attention: head_dim must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 &&
+              k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
+              v_cache.sizes() == k_cache.sizes(), "decode_attention: cache shape or strides do not fit q");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+              v_cache.scalar_type() == q.scalar_type(), "decode_attention: dtypes differ");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt && tables.dim() == 2 && tables.is_contiguous(),
+              "decode_attention: tables must be contiguous int32 (S, W)");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong &&
+              rows.is_contiguous() && context_lens.is_contiguous() && rows.numel() == tables.size(0) &&
+              context_lens.numel() == tables.size(0), "decode_attention: rows/context_lens must be int64 (S,)");
+  DISPATCH_FLOATS(q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(out, q, k_cache, v_cache, tables, rows, context_lens, window, scale);
+  });
+}
+
+// ---- fused elementwise ops (mirroring the torch reference's roundings) ----
+template <typename T>
+void rms_norm_row(T* x, const T* residual, const T* w, T* out, int64_t n, float eps) {
+  int64_t i = 0;
+  float ss = 0.f;
+#ifdef RAYPD_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = load16(x + i);
+    if (residual) {
+      v = round16<T>(_mm512_add_ps(v, load16(residual + i)));
+      store16(x + i, v);
+    }
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    if (residual) x[i] = from_f<T>(to_f(x[i]) + to_f(residual[i]));
+    ss += to_f(x[i]) * to_f(x[i]);
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  // reference: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)
+  i = 0;
+#ifdef RAYPD_AVX512
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16)
+    store16(out + i, _mm512_mul_ps(load16(w + i), round16<T>(_mm512_mul_ps(load16(x + i), iv))));
+#endif
+  for (; i < n; ++i) out[i] = from_f<T>(to_f(w[i]) * round_to<T>(to_f(x[i]) * inv));
+}
+
+template <typename T>
+void rms_norm_impl(torch::Tensor& x, const c10::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+                   torch::Tensor& out, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, rp ? rp + r * n : nullptr, wp, op + r * n, n, eps);
+  });
+}
+
+// out = rms_norm(x) * weight, per row of x (R, N). When residual is given, x += residual first (in place, rounded
+// to the dtype as torch's add is), so x then holds the new residual stream.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual) {
+  check_cpu(x, "rms_norm x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1) &&
+              weight.scalar_type() == x.scalar_type(), "rms_norm: x must be contiguous (R, N), weight (N,)");
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == x.scalar_type(), "rms_norm: residual must match x");
+  }
+  auto out = torch::empty_like(x);
+  DISPATCH_FLOATS(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x, residual, weight, out, static_cast<float>(eps));
+  });
+  return out;
+}
+
+template <typename T>
+void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  const T* ip = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = ip + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+      int64_t i = 0;
+#ifdef RAYPD_AVX512
+      for (; i + 16 <= inter; i += 16)
+        store16(o + i, _mm512_mul_ps(round16<T>(silu16(load16(g + i))), load16(u + i)));
+#endif
+      for (; i < inter; ++i) o[i] = from_f<T>(round_to<T>(silu_f(to_f(g[i]))) * to_f(u[i]));
+    }
+  });
+}
+
+// gate_up (R, 2I) -> silu(gate) * up (R, I); silu rounded to the dtype before the product, as in the reference.
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_cpu(gate_up, "silu_and_mul input");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: input must be contiguous (R, 2I)");
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  DISPATCH_FLOATS(gate_up.scalar_type(), "silu_and_mul", [&] { silu_and_mul_impl<scalar_t>(gate_up, out); });
+  return out;
+}
+
+// Rotates, in place, heads [0, num_heads) of every row of x (T, >= num_heads * head_dim), by halves:
+// x * cos + rotate_half(x) * sin, with each token's cos/sin rows (T, head_dim).
+template <typename T>
+void rope_impl(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_heads,
+               int64_t head_dim) {
+  const int64_t tokens = x.size(0), stride = x.stride(0), half = head_dim / 2;
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(half), b(half);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * head_dim;
+      const T* s = sp + t * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* v = xp + t * stride + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          a[i] = to_f(v[i]);
+          b[i] = to_f(v[i + half]);
+        }
+        // first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (each product rounded, then the sum)
+        for (int64_t i = 0; i < half; ++i) {
+          v[i] = from_f<T>(round_to<T>(a[i] * to_f(c[i])) + round_to<T>(-b[i] * to_f(s[i])));
+          v[i + half] = from_f<T>(round_to<T>(b[i] * to_f(c[i + half])) + round_to<T>(a[i] * to_f(s[i + half])));
+        }
+      }
+    }
+  });
+}
+
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim) {
+  check_cpu(x, "rope_ x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= num_heads * head_dim && head_dim % 2 == 0,
+              "rope_: x must be (T, >= heads * head_dim) with contiguous rows");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
+              cos.size(1) == head_dim && sin.sizes() == cos.sizes() && cos.scalar_type() == x.scalar_type() &&
+              sin.scalar_type() == x.scalar_type(), "rope_: cos/sin must be contiguous (T, head_dim) in x's dtype");
+  DISPATCH_FLOATS(x.scalar_type(), "rope_", [&] { rope_impl<scalar_t>(x, cos, sin, num_heads, head_dim); });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, "store new keys and values into their paged-cache slots");
+  m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over the paged cache, in place");
+  m.def("rms_norm", &rms_norm, "RMSNorm (optionally after an in-place residual add)", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up projection");
+  m.def("rope_", &rope_, "rotary embedding by halves, in place");
+}

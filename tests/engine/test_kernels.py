@@ -1,0 +1,187 @@
+"""The C++ CPU kernels and the packed linears against their torch reference path (engine/kernels.py TorchOps)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, SeqSlice
+from engine.kernels import REFERENCE, CpuKernelOps, cpu_kernels, select_ops
+from engine.kv_cache import KVCache, KVLayout
+from engine.model import CausalLM, Linear, can_pack
+from engine.tiny import build_tiny_model
+
+DTYPES = [torch.float32, torch.bfloat16]
+# fp32: only summation order differs. bf16: results are rounded where the reference rounds, so most elements are
+# identical and the rest one bf16 step apart (a reduction summed in another order lands on the other side).
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernelOps:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the engine runs the torch reference path")
+    module = cpu_kernels()
+    assert module is not None, "a C++ compiler is present, yet the kernels did not build (see the logged warning)"
+    return CpuKernelOps(module)
+
+
+def _close(ours, ref, dtype):
+    torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
+    if dtype == torch.bfloat16:
+        assert (ours == ref).float().mean() > 0.97, "bf16 kernel should round like the reference almost everywhere"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [384, 100])  # 100: a tail past the last full 16-lane vector
+def test_rms_norm_and_residual_add(kernels, dtype, width):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, width, generator=gen).to(dtype)
+    residual = torch.randn(7, width, generator=gen).to(dtype)
+    weight = (1 + 0.2 * torch.randn(width, generator=gen)).to(dtype)
+    _close(kernels.rms_norm(x.clone(), weight, 1e-6), REFERENCE.rms_norm(x, weight, 1e-6), dtype)
+    ref_sum, ref_norm = REFERENCE.add_rms_norm(x, residual, weight, 1e-6)
+    ours_x = x.clone()
+    ours_sum, ours_norm = kernels.add_rms_norm(ours_x, residual, weight, 1e-6)
+    assert torch.equal(ours_sum, ref_sum) and ours_sum.data_ptr() == ours_x.data_ptr()  # summed in place
+    _close(ours_norm, ref_norm, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1024, 72])
+def test_silu_and_mul(kernels, dtype, inter):
+    gate_up = (4 * torch.randn(9, 2 * inter, generator=torch.Generator().manual_seed(1))).to(dtype)
+    _close(kernels.silu_and_mul(gate_up), REFERENCE.silu_and_mul(gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 48)])
+def test_rope_in_place(kernels, dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(2)
+    t = 5
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    angles = torch.rand(t, 1, head_dim, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    ref = REFERENCE.rope(qkv.clone(), cos, sin, heads, kv_heads, head_dim)
+    ours = kernels.rope(qkv.clone(), cos, sin, heads, kv_heads, head_dim)
+    for a, b in zip(ours, ref):
+        _close(a, b, dtype)
+
+
+def _scattered(needs: list[int], num_blocks: int, seed: int) -> list[list[int]]:
+    pool = list(range(num_blocks))
+    random.Random(seed).shuffle(pool)
+    return [[pool.pop() for _ in range(n)] for n in needs]
+
+
+# (start, num_new) per sequence: decodes at block edges, a context of one token, prefill chunks from 0 and from
+# the middle of a block (chunked prefill, a prefix-cache hit), and contexts that are not multiples of 16.
+STEP = [(0, 1), (15, 1), (16, 1), (37, 1), (130, 1), (0, 9), (21, 6), (64, 1), (200, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (14, 2, 64), (4, 4, 32), (6, 3, 48)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_against_reference(kernels, dtype, heads, kv_heads, head_dim, window):
+    block_size, gen = 16, torch.Generator().manual_seed(3)
+    needs = [-(-(start + n) // block_size) for start, n in STEP]
+    layout = KVLayout(2, kv_heads, head_dim, block_size, str(dtype).removeprefix("torch."))
+    cache = KVCache(layout, sum(needs) + 4)
+    cache.arena.copy_(torch.randn(cache.arena.shape, generator=gen))  # earlier tokens' keys and values
+    tables = _scattered(needs, cache.num_blocks, seed=4)
+    meta = AttentionMetadata.build([SeqSlice(t, s, n) for t, (s, n) in zip(tables, STEP)], block_size, "cpu")
+    t = meta.num_tokens
+    q = torch.randn(t, heads, head_dim, generator=gen).to(dtype)
+    kv = torch.randn(t, 2, kv_heads, head_dim, generator=gen).to(dtype)
+    ref_cache = cache.arena.clone()
+    k_ref, v_ref = ref_cache[:, 1, 0], ref_cache[:, 1, 1]  # layer 1: views with the arena's real strides
+    ref = REFERENCE.paged_attention(q, kv[:, 0], kv[:, 1], k_ref, v_ref, meta, head_dim**-0.5, window)
+    ours = kernels.paged_attention(q, kv[:, 0], kv[:, 1], *cache.layer(1), meta, head_dim**-0.5, window)
+    assert torch.equal(cache.arena, ref_cache), "the kernel wrote other cache slots than the reference"
+    torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
+    if dtype != torch.float32:
+        # SDPA rounds its probabilities to bf16 before multiplying the values; the kernel keeps them in fp32. So
+        # hold both to the fp32 answer: the kernel must be at least as close to it.
+        exact_cache = ref_cache.float()
+        exact = REFERENCE.paged_attention(q.float(), kv[:, 0].float(), kv[:, 1].float(), exact_cache[:, 1, 0],
+                                          exact_cache[:, 1, 1], meta, head_dim**-0.5, window)
+        assert (ours.float() - exact).abs().mean() <= (ref.float() - exact).abs().mean() * 1.05
+
+
+def test_decode_attention_refuses_a_context_longer_than_its_table(kernels):
+    cache = KVCache(KVLayout(1, 2, 64, 16, "float32"), 4)
+    meta = AttentionMetadata.build([SeqSlice([0, 1], 20, 1)], 16, "cpu")
+    batch = meta.decode_batch
+    q = torch.zeros(1, 2, 64)
+    with pytest.raises(RuntimeError, match="keys for a table of"):
+        kernels.k.decode_attention(torch.empty_like(q), q, *cache.layer(0), batch.tables[:, :1], batch.rows,
+                                   batch.context_lens, 0, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_matches_f_linear(dtype):
+    if not can_pack(dtype, "cpu"):
+        pytest.skip(f"this CPU does not run {dtype} matmuls in oneDNN")
+    gen = torch.Generator().manual_seed(5)
+    layer = Linear(96, 80, bias=True).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 96, generator=gen))
+        layer.bias.copy_(torch.randn(80, generator=gen))
+    x = torch.randn(13, 96, generator=gen).to(dtype)
+    ref = F.linear(x, layer.weight, layer.bias)
+    layer.pack(free_weight=True)
+    assert layer.weight.numel() == 0
+    torch.testing.assert_close(layer(x).float(), ref.float(), **TOL[dtype])
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("kernels-model"), arch="qwen2", tie_word_embeddings=True)
+
+
+def _steps(model, prompts, forced=None, steps=4, block_size=4):
+    """A prefill step, then decode steps; each appends the given tokens, or else the greedy ones. -> (logits per
+    step (len(prompts), vocab), the tokens appended)."""
+    cache = KVCache(model.kv_layout(block_size), 16)
+    tables = _scattered([6, 3], 16, seed=6)
+    tokens, chosen, out = [list(p) for p in prompts], [], []
+    for step in range(steps):
+        starts = [0] * len(tokens) if step == 0 else [len(t) - 1 for t in tokens]
+        meta = AttentionMetadata.build([SeqSlice(tb, s, len(t) - s) for tb, s, t in zip(tables, starts, tokens)],
+                                       block_size, "cpu")
+        ids = torch.tensor(sum((t[s:] for s, t in zip(starts, tokens)), []))
+        pos = torch.cat([torch.arange(s, len(t)) for s, t in zip(starts, tokens)])
+        last = torch.tensor([len(tokens[0]) - starts[0] - 1, meta.num_tokens - 1])
+        with torch.inference_mode():
+            logits = model.compute_logits(model(ids, pos, meta, cache)[last])  # (2, vocab)
+        out.append(logits)
+        picks = forced[step] if forced else logits.argmax(-1).tolist()
+        chosen.append(picks)
+        for t, token in zip(tokens, picks):
+            t.append(token)
+    return out, chosen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_whole_model_kernels_match_reference(kernels, tiny_dir, dtype):
+    """Prefill then decode steps through both paths, on the same tokens: the kernels' logits follow the
+    reference's (fp32 within summation order; bf16 within its rounding)."""
+    fast = CausalLM.from_pretrained(tiny_dir, dtype=dtype)
+    slow = CausalLM.from_pretrained(tiny_dir, dtype=dtype, ops=REFERENCE, pack=False)
+    assert fast.ops.name == "cpu-kernels" and slow.ops.name == "torch"
+    assert fast.lm_head.weight is fast.embed_tokens.weight  # a tied head keeps the table the lookups need
+    prompts = [[5, 9, 100, 7, 33, 2000, 41, 8, 77, 15, 16, 17, 99, 1234, 50, 60, 70], [11, 12, 13]]
+    ref, tokens = _steps(slow, prompts)
+    ours, _ = _steps(fast, prompts, forced=tokens)
+    for a, b in zip(ours, ref):
+        scale = float(b.abs().max())
+        torch.testing.assert_close(a, b, atol=1e-4 if dtype == "float32" else 0.05 * scale, rtol=0)
+
+
+def test_select_ops_keeps_other_devices_on_the_reference():
+    assert select_ops(torch.float32, "meta") is REFERENCE
+    assert select_ops(torch.float64, "cpu") is REFERENCE
