@@ -37,8 +37,12 @@ class Grammars:
                 import llguidance.hf
                 from transformers import AutoTokenizer
 
-                hf = AutoTokenizer.from_pretrained(self.model_dir)
-                self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
+                try:
+                    hf = AutoTokenizer.from_pretrained(self.model_dir)
+                    self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
+                except Exception as exc:  # noqa: BLE001 - the request is what cannot be served, not the engine
+                    raise ValueError(f"SamplingParams.guided_decoding needs the tokenizer of {self.model_dir} (a "
+                                     f"fast tokenizer): {exc}") from None
             return self._tokenizer
 
 

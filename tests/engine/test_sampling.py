@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import jsonschema
 import pytest
@@ -187,3 +188,13 @@ def test_logit_bias_out_of_vocab_is_refused(engine):
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request(99, [5, 6], SamplingParams(logit_bias={engine.spec.vocab_size: 1.0}))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_grammar_without_a_tokenizer_is_refused_by_name(tmp_path, tiny_llama):
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(f"{tiny_llama}/{name}", tmp_path / name)
+    engine = LLMEngine(str(tmp_path), EngineConfig(block_size=4))
+    with pytest.raises(ValueError, match="guided_decoding needs the tokenizer"):
+        engine.add_request(0, [5, 6], SamplingParams(guided_decoding=GuidedDecodingParams(json_object=True)))
+    engine.add_request(1, [5, 6], SamplingParams(max_tokens=2))  # the engine still serves
+    assert run(engine, {0: []})[1][0][0]
