@@ -56,7 +56,7 @@ bench-peers: $(BIN)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python -m engine.bench_peers
 
 # Serving: vllm serve, raypd disaggregated and colocated, at concurrency 1 and 16.
-bench-serve-peers: $(BIN)/.installed $(VLLM_VENV)/.installed
+bench-serve-peers: $(BIN)/.installed $(VLLM_VENV)/.installed $(MODEL)/config.json
 	test -f models/tiny-llama/config.json || $(BIN)/python -m engine.tiny models/tiny-llama
 	$(BIN)/python -m cluster.bench_peers --model models/tiny-llama
 

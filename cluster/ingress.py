@@ -111,9 +111,11 @@ class Ingress:
         self._admit_request(request, body.model)
         prompts = body.prompts()
         self.limits.check_count(len(prompts), self.config.limits.max_prompts_per_request, "prompts", "prompt")
-        params = self._params(body, body.max_tokens, body.logprobs)
+        # echo with logprobs: the prompt tokens' logprobs come from the prompt's logits (prompt_logprobs)
+        echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = self._params(body, body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
         encoded = [(p, await self._encode(p, "prompt")) if isinstance(p, str) else (None, p) for p in prompts]
-        fmt = Formatter(False, self.config.model_name, self.tokenizer, body.logprobs or 0)
+        fmt = Formatter(False, self.config.model_name, self.tokenizer, body.logprobs or 0, echo=body.echo)
         return await self._serve(encoded, params, body, fmt)
 
     @app.post("/v1/chat/completions")
@@ -167,12 +169,17 @@ class Ingress:
             raise EdgeError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
                             "not_found_error", "model", "model_not_found")
 
-    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, body, max_tokens: int | None, logprobs: int | None, **extra) -> SamplingParams:
         default = max(1, self.limits.context_length // 8)
         try:
-            return body.sampling_params(max_tokens or default, logprobs)
+            params = body.sampling_params(max_tokens or default, logprobs, **extra)
         except ValueError as exc:  # SamplingParams names the field
             raise EdgeError(400, str(exc)) from None
+        outside = [t for t in params.logit_bias or {} if t >= self.limits.vocab_size]
+        if outside:
+            raise EdgeError(400, f"logit_bias: token ids {outside[:5]} are not in the vocabulary (ids 0.."
+                                 f"{self.limits.vocab_size - 1})", param="logit_bias")
+        return params
 
     # ---- serving ----
     async def _serve(self, prompts, params: SamplingParams, body, fmt: Formatter, images: list | None = None):
@@ -216,7 +223,10 @@ class Ingress:
         try:
             async for piece in pieces(results):
                 index = piece.prompt * n + piece.index
-                chunk = fmt.chunk(index, piece.text, piece.token_ids, piece.logprobs, piece.finish_reason, first[index])
+                text, ids, lps = piece.text, piece.token_ids, piece.logprobs
+                if first[index]:
+                    text, ids, lps = fmt.echoed(results[piece.prompt], text, ids, lps)
+                chunk = fmt.chunk(index, text, ids, lps, piece.finish_reason, first[index])
                 first[index] = False
                 if piece.finish_reason is not None:
                     ended.add(index)

@@ -13,8 +13,9 @@ from llmapi.result import GenerationResult
 class Formatter:
     """Builds the JSON of one response (one id, one creation time) for completions or chat."""
 
-    def __init__(self, chat: bool, model: str, tokenizer, num_logprobs: int = 0):
+    def __init__(self, chat: bool, model: str, tokenizer, num_logprobs: int = 0, echo: bool = False):
         self.chat = chat
+        self.echo = echo  # completions: each choice starts with the prompt (its text, tokens and logprobs)
         self.num_logprobs = num_logprobs  # top alternatives asked for per position
         self.model = model
         self.tokenizer = tokenizer
@@ -27,19 +28,31 @@ class Formatter:
 
     def response(self, results: list[GenerationResult]) -> dict:
         # choice index = prompt index * n + candidate index, as OpenAI numbers a batch of prompts
-        outputs = [out for result in results for out in result.outputs]
-        body = self._envelope([self._choice(i, out) for i, out in enumerate(outputs)], chunk=False)
+        outputs = [(result, out) for result in results for out in result.outputs]
+        body = self._envelope([self._choice(i, r, out) for i, (r, out) in enumerate(outputs)], chunk=False)
         body["usage"] = usage(results)
         return body
 
-    def _choice(self, index: int, out: CompletionOutput) -> dict:
-        logprobs = self.logprobs(out.token_ids, out.logprobs) if out.logprobs is not None else None
+    def _choice(self, index: int, result: GenerationResult, out: CompletionOutput) -> dict:
+        text, token_ids, entries = self.echoed(result, out.text, out.token_ids, out.logprobs)
+        logprobs = self.logprobs(token_ids, entries) if entries is not None else None
         choice = {"index": index, "logprobs": logprobs, "finish_reason": out.finish_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = out.text
+            choice["text"] = text
         return choice
+
+    def echoed(self, result: GenerationResult, text: str, token_ids: list[int], logprobs: list | None):
+        """(text, token ids, logprobs) of a choice, or of its first streamed chunk: with echo, the prompt's first
+        (its first token has no logprob: None, as OpenAI reports it)."""
+        if not self.echo:
+            return text, token_ids, logprobs
+        ids = list(result.prompt_token_ids)
+        prompt = result.prompt if result.prompt is not None else self.tokenizer.decode(ids)
+        if logprobs is not None:
+            logprobs = list(result.prompt_logprobs or [None] * len(ids)) + list(logprobs)
+        return prompt + text, ids + list(token_ids), logprobs
 
     def chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
               finish_reason: str | None, first: bool) -> dict:
@@ -66,8 +79,9 @@ class Formatter:
             pos += len(tok)
         return {
             "tokens": tokens,
-            "token_logprobs": [_finite(e[t].logprob) for t, e in zip(token_ids, entries)],
-            "top_logprobs": [{self._text(k): _finite(v.logprob) for k, v in self._top(e)} for e in entries],
+            "token_logprobs": [_finite(e[t].logprob) if e else None for t, e in zip(token_ids, entries)],
+            "top_logprobs": [{self._text(k): _finite(v.logprob) for k, v in self._top(e)} if e else None
+                             for e in entries],
             "text_offset": offsets,
         }
 

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmapi.sampling_params import SamplingParams
+from llmapi.sampling_params import MAX_LOGIT_BIAS, GuidedDecodingParams, SamplingParams
 
 
 def bad_text(value, path: str = "body") -> str | None:
@@ -29,6 +29,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="Send a last chunk with token usage.")
 
 
+class JsonSchema(BaseModel):
+    name: str = Field("response", description="The schema's name (accepted; not used).")
+    description: str | None = None
+    schema_: dict = Field(alias="schema", description="A JSON schema the output must validate against.")
+    strict: bool | None = Field(None, description="Accepted; the output always follows the schema.")
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = Field(None, description="Required with type json_schema.")
+
+    @model_validator(mode="after")
+    def _compiles(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object ({'name': ..., 'schema': {...}})")
+        self.guided_decoding()  # a malformed schema is refused here, at the edge
+        return self
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        if self.type == "text":
+            return None
+        try:
+            if self.type == "json_object":
+                return GuidedDecodingParams(json_object=True)
+            return GuidedDecodingParams(json=self.json_schema.schema_)
+        except Exception as exc:  # noqa: BLE001 - whatever the grammar compiler raises, the schema is what is wrong
+            raise ValueError(str(exc).replace("SamplingParams.guided_decoding.json", "json_schema.schema")) from None
+
+
 class _Sampling(BaseModel):
     """Fields common to completions and chat completions. Unknown fields are ignored, as OpenAI's API does."""
 
@@ -48,8 +77,19 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="Extension: token ids that end generation.")
     cache_salt: str | None = Field(None, min_length=1, description="Extension (vLLM's): prefix-cache entries are "
                                    "shared only between requests with the same salt (tenant isolation).")
-    presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
-    frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted once from each token already in "
+                                    "the output.")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted per occurrence of a token in the "
+                                     "output.")
+    repetition_penalty: float = Field(1.0, gt=0, description="Extension (vLLM's): transformers' repetition penalty "
+                                      "over prompt and output tokens; 1 is off.")
+    min_p: float = Field(0.0, ge=0, le=1, description="Extension: drop tokens less likely than min_p times the "
+                         "most likely one; 0 is off.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
+                                                "added to its logit.")
+    response_format: ResponseFormat | None = Field(None, description="{'type': 'json_object'} or {'type': "
+                                                   "'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}.")
+    user: str | None = Field(None, description="Accepted and ignored.")
 
     @model_validator(mode="before")
     @classmethod
@@ -67,18 +107,26 @@ class _Sampling(BaseModel):
             raise ValueError("at most 4 non-empty strings")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _unsupported(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported by this server; omit the field or send 0")
+    def _bias(cls, value):
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
         return value
 
-    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, **extra) -> SamplingParams:
+        """max_tokens: the endpoint's choice (chat: max_completion_tokens before max_tokens, else a default)."""
         return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=max(self.top_k, 0), n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, cache_salt=self.cache_salt,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            guided_decoding=self.response_format.guided_decoding() if self.response_format else None, **extra,
         )
 
     @property
@@ -90,7 +138,8 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] = Field(description="A prompt, a token id list, or several prompts.")
     max_tokens: int | None = Field(16, ge=1, description="Most tokens to generate per choice.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Top log-probabilities per token (0-5).")
-    echo: Literal[False] = Field(False, description="Not supported: must be false.")
+    echo: bool = Field(False, description="Prepend the prompt to each choice's text (and, with logprobs, the "
+                       "prompt tokens' logprobs).")
 
     @field_validator("prompt")
     @classmethod

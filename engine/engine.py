@@ -9,6 +9,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.executor import ModelExecutor
+from engine.grammar import Grammars
 from engine.kv_cache import KVCache, KVLayout
 from engine.kv_connector import EngineCard, KVConnector, NullConnector
 from engine.model import CausalLM
@@ -76,7 +77,8 @@ class LLMEngine:
                                    config.max_num_seqs)
         self.executor = ModelExecutor(ModelRunner(self.model, self.kv_cache), Sampler(config.seed))
         self.requests: dict[int, EngineRequest] = {}
-        self.output = OutputProcessor(self.spec, self.scheduler, self.kv_cache, self.connector, self.requests)
+        self.output = OutputProcessor(self.spec, self.scheduler, self.kv_cache, self.connector, self.requests,
+                                      Grammars(model_dir, self.spec.vocab_size))
 
     # ---- the loop ----
     def step(self) -> list[EngineResponse]:
@@ -130,8 +132,9 @@ class LLMEngine:
         if resume is not None:
             self._resume(req, resume)
             return
+        seq = self.output.new_seq(req, 0, list(prompt_token_ids))  # compiles the request's grammar, if any
         self.requests[request_id] = req
-        self.scheduler.add(self.output.new_seq(req, 0, list(prompt_token_ids)))
+        self.scheduler.add(seq)
 
     def _resume(self, req: EngineRequest, resume: Resume) -> None:
         params = req.sampling_params
@@ -144,9 +147,9 @@ class LLMEngine:
             if any(not 0 <= t < self.spec.vocab_size for t in c.token_ids):
                 raise ValueError(f"resumed candidate {c.index}: token ids out of range [0, {self.spec.vocab_size})")
         req.forked = True
+        seqs = [self.output.new_seq(req, c.index, req.prompt_token_ids + list(c.token_ids)) for c in resume.candidates]
         self.requests[req.request_id] = req
-        for c in resume.candidates:
-            seq = self.output.new_seq(req, c.index, req.prompt_token_ids + list(c.token_ids))
+        for seq, c in zip(seqs, resume.candidates):
             seq.cumulative_logprob = c.cumulative_logprob
             self.scheduler.add(seq)
 

@@ -38,7 +38,8 @@ class ModelExecutor:
                 continue  # a prefill chunk that does not reach the end yet
             req = seq.request
             for k in ([seq.index] if req.forked else range(req.sampling_params.num_candidates)):
-                rows.append(SampleRow(req.sampling_params, k, seq.num_tokens))
+                rows.append(SampleRow(req.sampling_params, k, seq.num_tokens, seq.token_ids, seq.num_prompt_tokens,
+                                      seq.grammar))
                 owners.append(seq)
                 flat.append(row)
         if not rows:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelSpec
+from engine.grammar import Grammars
 from engine.kv_cache import KVCache
 from engine.kv_connector import KVConnector
 from engine.request import EngineRequest, Sequence
@@ -20,8 +21,9 @@ from llmapi.outputs import EngineResponse, Handoff, Logprob, TokenDelta
 
 class OutputProcessor:
     def __init__(self, spec: ModelSpec, scheduler: Scheduler, kv_cache: KVCache, connector: KVConnector,
-                 requests: dict[int, EngineRequest]):
+                 requests: dict[int, EngineRequest], grammars: Grammars):
         self.spec = spec
+        self.grammars = grammars
         self.scheduler = scheduler
         self.block_manager = scheduler.block_manager
         self.kv_cache = kv_cache
@@ -32,7 +34,13 @@ class OutputProcessor:
 
     # ---- sequences ----
     def new_seq(self, req: EngineRequest, index: int, token_ids: list[int]) -> Sequence:
+        """A candidate from token_ids (the prompt, or prompt + output so far); a grammar's matcher replays the output
+        (a resumed candidate). Raises ValueError if the request's grammar does not compile for this vocabulary."""
         seq = Sequence(self._next_seq_id, req, index, token_ids)
+        guided = req.sampling_params.guided_decoding
+        if guided is not None:
+            seq.grammar = self.grammars.matcher(guided)
+            seq.grammar.accept_all(token_ids[req.num_prompt_tokens:])
         self._next_seq_id += 1
         req.seqs.append(seq)
         return seq
@@ -113,6 +121,8 @@ class OutputProcessor:
 
     def _append(self, seq: Sequence, sample: Sample, echo: bool = True) -> TokenDelta:
         seq.token_ids.append(sample.token_id)
+        if seq.grammar is not None:
+            seq.grammar.accept(sample.token_id)
         seq.cumulative_logprob += sample.logprob
         tokens = (sample.token_id,) if echo else ()
         logprobs = (sample.top_logprobs,) if echo and sample.top_logprobs is not None else None
@@ -129,6 +139,9 @@ class OutputProcessor:
             return "stop", None
         if token in params.stop_token_ids:
             return "stop", token
+        grammar = seq.grammar
+        if grammar is not None and (grammar.done if num_output_tokens is None else grammar.done_after(token)):
+            return "stop", None  # the grammar is complete: nothing but EOS could follow
         if outputs >= params.max_tokens or seq.request.num_prompt_tokens + outputs >= self.spec.max_position_embeddings:
             return "length", None
         return None, None

@@ -60,6 +60,7 @@ class Sequence:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
+    grammar: object = None  # engine.grammar.GrammarMatcher at this sequence's place, when the request has a grammar
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Sampler: greedy, temperature, top-k, top-p; logprobs with ranks; reproducible seeded draws.
+"""Sampler: logits processors (logit bias, penalties, grammar mask), then greedy or temperature, top-k, top-p,
+min-p; logprobs with ranks; reproducible seeded draws.
 
 A seeded draw depends only on (seed, candidate index, position), never on the batch or the worker, so a request
 gives the same tokens colocated or disaggregated, alone or batched.
@@ -7,10 +8,12 @@ gives the same tokens colocated or disaggregated, alone or batched.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar import GrammarMatcher
+from engine.logits_processors import apply_min_p, process_logits
 from llmapi.outputs import Logprob, TokenLogprobs
 from llmapi.sampling_params import SamplingParams
 
@@ -20,6 +23,9 @@ class SampleRow:
     params: SamplingParams
     index: int  # candidate index
     position: int  # position of the token being sampled
+    token_ids: list[int] = field(default_factory=list)  # the sequence so far (prompt + output): read by penalties
+    num_prompt_tokens: int = 0
+    grammar: GrammarMatcher | None = None  # the sequence's matcher, when the request has a grammar
 
 
 @dataclass(frozen=True)
@@ -35,16 +41,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
         """logits: (R, vocab) fp32, one row per entry of rows."""
+        scores, masked = logits, logits
+        if any(r.params.processes_logits for r in rows):  # else the common path: no copy, no per-row work
+            scores, masked = process_logits(logits, rows)
         temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
         # Greedy rows (and temperature 1) divide by 1: skip a pass over (R, vocab) when every row does.
-        scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps)[:, None]
+        scaled = scores if all(t == 1.0 for t in temps) else scores / torch.tensor(temps)[:, None]
         logprobs = torch.log_softmax(scaled, dim=-1)  # (R, vocab)
         # Greedy rows keep this; ties go to the lowest index (max(dim) returns the first maximal value, like
         # argmax, and is ~2.5x faster on CPU).
-        tokens = logits.max(dim=-1).indices
+        tokens = masked.max(dim=-1).indices
         for i, row in enumerate(rows):
             if not row.params.greedy:
-                tokens[i] = self._draw(logits[i] / row.params.temperature, row)
+                tokens[i] = self._draw(masked[i] / row.params.temperature, row)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()  # one op for every row's logprob
         out = []
         for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
@@ -54,6 +63,8 @@ class Sampler:
 
     def _draw(self, scores: torch.Tensor, row: SampleRow) -> int:
         scores = apply_top_k_top_p(scores, row.params.top_k, row.params.top_p)
+        if row.params.min_p > 0:
+            scores = apply_min_p(scores, row.params.min_p)
         probs = torch.softmax(scores, dim=-1)
         gen = self._generator if row.params.seed is None else _row_generator(row)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p.

@@ -37,6 +37,8 @@ def check_request(prompt: list[int], params: SamplingParams, spec: ModelSpec, bl
         raise ValueError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
         )
+    if any(t >= spec.vocab_size for t in params.logit_bias or {}):
+        raise ValueError(f"SamplingParams.logit_bias: token ids out of range [0, {spec.vocab_size})")
     need = block_manager.blocks_for(len(prompt) + params.max_tokens)
     if need > block_manager.num_blocks:
         raise ValueError(f"request needs {need} KV blocks, the pool has {block_manager.num_blocks}")

@@ -3,10 +3,11 @@
 from llmapi.disaggregated_params import DisaggregatedParams, MultimodalEmbeddingHandle
 from llmapi.outputs import CompletionOutput, Logprob, MetricNames
 from llmapi.result import GenerationResult, RequestError, RequestOutput
-from llmapi.sampling_params import SamplingParams
+from llmapi.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "GenerationResult", "DisaggregatedParams",
+    "LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "GenerationResult",
+    "DisaggregatedParams",
     "Logprob", "MetricNames", "RequestError", "MultimodalEncoder", "MultimodalEmbeddingHandle",
 ]
 

@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from ray import serve
@@ -17,7 +18,7 @@ import ray
 from cluster.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
 from cluster.directory import Directory
-from llmapi import LLM, SamplingParams
+from llmapi import LLM, GuidedDecodingParams, SamplingParams
 
 KEY = "sk-raypd-test"
 
@@ -167,6 +168,95 @@ def test_bad_requests_get_clear_4xx_and_the_server_stays_healthy(server, client)
     assert client.completions.create(model="tiny", prompt="still here", max_tokens=2).choices
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                          "rank": {"type": "integer", "minimum": 1, "maximum": 50},
+                                          "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
+          "required": ["city", "rank", "tags"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+
+
+def test_json_schema_chat_streaming_and_not_always_validates(client):
+    """Disaggregated: the prefill replica samples each first token under the grammar, decode continues its matcher."""
+    messages = [{"role": "user", "content": "a place, as JSON"}]
+    for seed in range(3):
+        kwargs = dict(model="tiny", messages=messages, temperature=1.0, seed=seed, max_completion_tokens=120,
+                      response_format=JSON_SCHEMA, user="someone")
+        whole = client.chat.completions.create(n=2, **kwargs)
+        for choice in whole.choices:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        parts = client.chat.completions.create(stream=True, **kwargs)
+        text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert text == whole.choices[0].message.content  # same seed, candidate 0: same tokens
+
+
+def test_json_object_completion_and_max_completion_tokens(client):
+    got = client.completions.create(model="tiny", prompt="{", max_tokens=200, temperature=0.7, seed=1,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(got.choices[0].text), dict)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=50,
+                                          max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length"
+
+
+def test_penalties_min_p_and_logit_bias_at_the_edge_equal_the_embedded_engine(client, reference):
+    edge = dict(presence_penalty=0.7, frequency_penalty=0.4, logit_bias={"300": 4.0, "301": -100})
+    extra = dict(repetition_penalty=1.3, min_p=0.05, ignore_eos=True)
+    got = client.completions.create(model="tiny", prompt="again and again", max_tokens=16, temperature=0.8, seed=5,
+                                    n=2, extra_body=extra, **edge)
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=5, n=2, presence_penalty=0.7, frequency_penalty=0.4,
+                            logit_bias={300: 4.0, 301: -100}, **extra)
+    ref = reference.generate("again and again", params)
+    assert [c.text for c in got.choices] == [o.text for o in ref.outputs]
+    plain = reference.generate("again and again", SamplingParams(max_tokens=16, temperature=0.8, seed=5, n=2,
+                                                                  ignore_eos=True))
+    assert [o.text for o in ref.outputs] != [o.text for o in plain.outputs]
+    forced = client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=0, logit_bias={"300": 100},
+                                       extra_body={"ignore_eos": True})
+    assert forced.usage.completion_tokens == 4 and forced.choices[0].text == reference.tokenizer.decode([300] * 4)
+
+
+def test_echo_prepends_the_prompt_with_its_logprobs(client, reference):
+    prompt = "Echo this back"
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == prompt + plain.choices[0].text
+    with_lp = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                        logprobs=1, extra_body={"ignore_eos": True})
+    lp = with_lp.choices[0].logprobs
+    num_prompt = with_lp.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 5 and "".join(lp.tokens[:num_prompt]) == prompt
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    ref = reference.generate(prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, prompt_logprobs=1))
+    ids = ref.prompt_token_ids
+    expected = [ref.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    assert lp.token_logprobs[1:num_prompt] == pytest.approx(expected, abs=1e-4)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == got.choices[0].text
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                  "schema": {"type": "nope"}}}}),
+     "response_format"),
+    (dict(extra_body={"response_format": {"type": "json_schema"}}), "response_format"),
+    (dict(logit_bias={"abc": 1}), "logit_bias"),
+    (dict(logit_bias={"5": 250}), "logit_bias"),
+    (dict(logit_bias={"99999999": 1}), "logit_bias"),
+    (dict(presence_penalty=5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(extra_body={"min_p": 2}), "min_p"),
+])
+def test_invalid_sampling_values_get_a_400_naming_the_field(client, kwargs, field):
+    with pytest.raises(openai.BadRequestError, match=field):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, **kwargs)
+
+
 def test_models_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     client.completions.create(model="tiny", prompt="metrics", max_tokens=4)
@@ -230,6 +320,11 @@ def test_colocated_mode_serves_the_same_tokens(server, client, tiny_llama):
         colocated = openai.OpenAI(base_url=f"{server[0]}/colocated/v1", api_key=KEY, timeout=60, max_retries=0)
         kwargs = dict(model="tiny", prompt="side by side", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
         assert colocated.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+        chat = dict(model="tiny", messages=[{"role": "user", "content": "JSON"}], temperature=1.0, seed=2,
+                    max_tokens=120, response_format=JSON_SCHEMA, presence_penalty=0.5)
+        text = colocated.chat.completions.create(**chat).choices[0].message.content
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert text == client.chat.completions.create(**chat).choices[0].message.content
         assert "prefill" not in serve.status().applications["raypd-colocated"].deployments
     finally:
         serve.delete("raypd-colocated")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
 
 import pytest
 
 from engine.kv_handle import KVHandle
-from llmapi import LLM, DisaggregatedParams, SamplingParams
+from llmapi import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
 from tests.pools import wait_pools_full
 
 
@@ -31,6 +32,9 @@ def disaggregated(ctx: LLM, gen: LLM, prompt, params: SamplingParams):
     return c, gen.generate(prompt, params, disaggregated_params=dp)
 
 
+JSON_SCHEMA = GuidedDecodingParams(json={"type": "object", "properties": {"w": {"type": "string", "maxLength": 6},
+                                                                       "n": {"type": "integer", "maximum": 99}},
+                                        "required": ["w", "n"], "additionalProperties": False})
 PROMPTS = ["The history of the", "café 你好 🙂 naïve", "one two three four five six seven eight nine ten eleven"]
 
 
@@ -38,7 +42,9 @@ PROMPTS = ["The history of the", "café 你好 🙂 naïve", "one two three four
     SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
     SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
     SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=11, ignore_eos=True, logprobs=2),
-], ids=["greedy", "seeded", "n3"])
+    SamplingParams(max_tokens=40, temperature=1.0, n=2, seed=4, repetition_penalty=1.3, frequency_penalty=1.0,
+                   presence_penalty=0.5, min_p=0.05, logit_bias={97: 5.0}, guided_decoding=JSON_SCHEMA),
+], ids=["greedy", "seeded", "n3", "penalties_json"])
 def test_same_tokens_as_colocated(pair, params):
     ctx, gen = pair
     colocated = ctx.generate(PROMPTS, params, use_tqdm=False)
@@ -52,6 +58,8 @@ def test_same_tokens_as_colocated(pair, params):
             assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
         if params.logprobs:
             assert [len(o.logprobs) for o in g.outputs] == [len(o.logprobs) for o in ref.outputs]
+        if params.guided_decoding:  # the prefill side's first token is under the grammar, decode continues it
+            assert all(o.finish_reason == "stop" and set(json.loads(o.text)) == {"w", "n"} for o in g.outputs)
 
 
 def test_forged_or_foreign_handle_is_refused(pair):
