@@ -40,7 +40,10 @@ def _validate(args: argparse.Namespace) -> int:
     print(f"  model {config.model_name} ({config.model}), dtype {config.dtype}, {e.device}, KV pool {pool}")
     for name in ("prefill", "decode", "postproc", "ingress"):
         print(f"  {name}: {_describe_role(getattr(config, name))}")
-    print(f"  router {config.router.policy.value}; http {config.http.host}:{config.http.port}"
+    local = config.router.max_local_prefill_tokens
+    print(f"  router {config.router.policy.value}"
+          f"{f', prompts under {local} uncached tokens prefill on their decode replica' if local else ''}; "
+          f"http {config.http.host}:{config.http.port}"
           f"{' (API key required)' if config.http.api_key_value() else ''}")
     return 0
 
@@ -48,6 +51,10 @@ def _validate(args: argparse.Namespace) -> int:
 def _describe_role(role: Role) -> str:
     a = role.autoscaling
     scale = f"{a.min_replicas}..{a.max_replicas} replicas (autoscaling)" if a else f"{role.replicas or 1} replica(s)"
+    if a is not None:
+        on = (", ".join(f"{name} {value:g}" for name, value in a.slo.targets().items()) if a.slo
+              else f"target_ongoing_requests {a.target_ongoing_requests:g}")
+        scale += f" on {on} per replica (up after {a.upscale_delay_s:g} s, down after {a.downscale_delay_s:g} s)"
     return f"{scale}, each num_cpus={role.num_cpus}, num_gpus={role.num_gpus}, resources={role.resources}"
 
 
@@ -67,6 +74,11 @@ def _add_bench(sub) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput counts requests with TPOT within this")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="each request's total budget")
     p.add_argument("--num-warmups", type=int, default=0, help="unrecorded requests sent first, one at a time")
+    p.add_argument("--workload", choices=("random", "chat"), default="random",
+                   help="random: independent prompts; chat: multi-turn conversations sharing a system prompt, "
+                        "each turn sent when the previous reply ended (--request-rate: conversations per second)")
+    p.add_argument("--num-turns", type=int, default=4, help="chat: turns per conversation (divides --num-requests)")
+    p.add_argument("--system-len", type=int, default=256, help="chat: words of the shared system prompt")
     p.add_argument("--json", metavar="OUT", default=None, help="write results (per request too) to this JSON file")
     p.add_argument("--plot", metavar="OUT.png", default=None, help="draw latency CDFs to this PNG")
     p.set_defaults(run=_bench)

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from cluster.config import RaypdConfig
 from cluster.directory import Directory
+from cluster.local_prefill import LocalPrefill
 from cluster.metrics import Metrics
 from cluster.openai_format import Formatter, error_body
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -152,7 +153,8 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.limits = EdgeLimits.of(self.config)
         self._lane, lanes = self._open_lane(postprocs)
-        self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s, lanes)
+        self.owner = RequestOwner(ServeRoles(prefill, decode), self.tokenizer, self.config.request_timeout_s, lanes,
+                                  LocalPrefill.for_config(self.config, colocated=prefill is None))
         self.metrics = Metrics()
         self._roles = {name: h for name, h in (("prefill", prefill), ("decode", decode)) if h is not None}
         self._directory = Directory(serve.get_replica_context().replica_id.deployment_id.app_name)

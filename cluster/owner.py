@@ -9,7 +9,7 @@ import copy
 import itertools
 import logging
 import uuid
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from llmapi.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
@@ -50,10 +50,14 @@ class Roles(Protocol):
 
 class RequestOwner:
     """lanes: this owner's lane index on each postproc worker. With lanes, decoded tokens come back through the
-    postproc workers (detokenized there) to on_output(); without, the owner post-processes the decode stream itself."""
+    postproc workers (detokenized there) to on_output(); without, the owner post-processes the decode stream itself.
+    local_prefill: conditional disaggregation (cluster/local_prefill.py): True for a request to prefill on its decode
+    replica (no KV transfer)."""
 
-    def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: tuple[int, ...] = ()):
+    def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: tuple[int, ...] = (),
+                 local_prefill: Callable[[RequestOutput], bool] | None = None):
         self.roles = roles
+        self.local_prefill = local_prefill
         self.tokenizer = tokenizer
         self.request_timeout_s = request_timeout_s
         self.lanes = tuple(lanes)
@@ -86,7 +90,7 @@ class RequestOwner:
             result.put(exc if isinstance(exc, (ValueError, RequestError)) else RequestError(str(exc)))
 
     async def _serve(self, result: RequestOutput, record: DetokenizedGenerationResultBase) -> None:
-        if self.roles.colocated:
+        if self.roles.colocated or (self.local_prefill is not None and self.local_prefill(result)):
             await self._generate(result, record, None)
             return
         ctx = await self.roles.prefill(result)

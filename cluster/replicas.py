@@ -13,6 +13,7 @@ import threading
 from ray import serve
 
 from cluster.directory import PERIOD_S, Directory
+from cluster.routing_policy import replica_state
 from decode.worker import DecodeWorker
 from engine.engine import EngineConfig
 from engine.worker import EngineWorker
@@ -44,7 +45,8 @@ class Membership:
         refused = sum(1 for why in self._met.values() if why)
         stats = dict(self.worker.stats(), peers_met=len(self._met) - refused, peers_refused=refused)
         met = tuple(name for name, why in self._met.items() if why is None)
-        self.directory.publish(self.role, self.replica_id, self.worker.card(), stats, self._counter, met)
+        routing = replica_state(self.role, *self.worker.cache_snapshot()).to_json()
+        self.directory.publish(self.role, self.replica_id, self.worker.card(), stats, self._counter, met, routing)
 
     def _meet_new(self) -> None:
         for entry in self.directory.entries(self.meets):
@@ -75,10 +77,20 @@ class Membership:
             pass
 
 
+def routing_stats(worker: EngineWorker, role: str) -> dict:
+    """What the replica tells Serve's request routers (cluster/request_router.py): its queued tokens, and its load
+    and prefix-cache summary (cluster/routing_policy.py)."""
+    keys, load = worker.cache_snapshot()
+    return {"queued_tokens": load["queued_tokens"], **replica_state(role, keys, load).to_stats()}
+
+
 class PrefillReplica(PrefillWorker):
     def __init__(self, model_dir: str, config: EngineConfig):
         super().__init__(model_dir, config)
         self._membership = Membership(self, "prefill", None)
+
+    def record_routing_stats(self) -> dict:
+        return routing_stats(self, "prefill")
 
     def __del__(self):
         if hasattr(self, "_membership"):
@@ -89,6 +101,9 @@ class DecodeReplica(DecodeWorker):
     def __init__(self, model_dir: str, config: EngineConfig, postproc_addrs: list[PipeAddr] | None = None):
         super().__init__(model_dir, config, postproc_addrs)
         self._membership = Membership(self, "decode", "prefill")
+
+    def record_routing_stats(self) -> dict:
+        return routing_stats(self, "decode")
 
     def __del__(self):
         if hasattr(self, "_membership"):
