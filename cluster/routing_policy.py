@@ -127,11 +127,17 @@ def cached_tokens(state: ReplicaState, keys: list[bytes], num_tokens: int,
     return run * state.block_size
 
 
+def uncached_tokens(state: ReplicaState, keys: list[bytes], num_tokens: int,
+                    also_cached: frozenset[bytes] = frozenset()) -> int:
+    """Prompt tokens the replica would compute (prefill) or read (decode import) after its cache hit."""
+    return num_tokens - cached_tokens(state, keys, num_tokens, also_cached)
+
+
 def replica_cost(state: ReplicaState, keys: list[bytes], num_tokens: int, pending_tokens: int = 0,
                  pending_keys: frozenset[bytes] = frozenset()) -> int:
     """Tokens the replica must get through before this prompt is done: what it would compute of the prompt after
     its cache hit, plus its load, plus what a router sent it that its last report cannot show yet."""
-    return num_tokens - cached_tokens(state, keys, num_tokens, pending_keys) + state.load_tokens + pending_tokens
+    return uncached_tokens(state, keys, num_tokens, pending_keys) + state.load_tokens + pending_tokens
 
 
 @dataclass(frozen=True)

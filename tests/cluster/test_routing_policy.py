@@ -110,8 +110,9 @@ def _replica(name: str, stats: dict | None):
     return SimpleNamespace(replica_id=name, routing_stats=stats)
 
 
-def _request(ids: list[int], salt: str | None = None):
-    return SimpleNamespace(args=(7, ids, SamplingParams(cache_salt=salt)))
+def _request(ids: list[int], salt: str | None = None, internal_id: str | None = None):
+    return SimpleNamespace(args=(7, ids, SamplingParams(cache_salt=salt)),
+                           metadata=SimpleNamespace(internal_request_id=internal_id or str(random.random())))
 
 
 def _route(router, replicas, request) -> list[str]:
@@ -137,11 +138,24 @@ def test_prefix_aware_router_keeps_a_burst_together_before_any_report():
     a, b = _replica("a", _state([]).to_stats()), _replica("b", _state([]).to_stats())
     first = _tokens(300, seed=16)
     chosen = _route(router, [a, b], _request(first))[0]
-    # the follow-up shares 300 tokens with what was just sent there; the 300 queued tokens there weigh less
+    # the follow-up shares 300 tokens with what was just sent there: 300 in flight + 8 there against 308 elsewhere,
+    # and the tie goes to the replica that computes less
     follow = first + _tokens(8, seed=17)
     assert _route(router, [a, b], _request(follow))[0] == chosen
     # an unrelated prompt goes to the other, less loaded replica
     assert _route(router, [a, b], _request(_tokens(50, seed=18)))[0] != chosen
+
+
+def test_in_flight_tokens_count_until_the_request_completes():
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router.initialize_state()
+    a, b = _replica("a", _state([]).to_stats()), _replica("b", _state([]).to_stats())
+    first = _request(_tokens(100, seed=20), internal_id="r1")
+    chosen = _route(router, [a, b], first)[0]
+    assert _route(router, [a, b], _request(_tokens(60, seed=21)))[0] != chosen  # 100 in flight there
+    router.on_request_completed(chosen, "r1")
+    others = [_route(router, [a, b], _request(_tokens(60, seed=22 + i)))[0] for i in range(2)]
+    assert chosen in others  # with r1 done, chosen is free again
 
 
 def test_a_replica_that_has_not_reported_is_weighed_by_what_was_sent_to_it():
