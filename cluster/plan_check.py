@@ -2,10 +2,13 @@
 
 Both run the Serve application of the YAML on a local Ray (1 prefill + 1 decode replica, or colocated with one
 decode replica) and measure it with `raypd bench`'s client.
-- calibrate: one request at a time (no queueing, no batching). What Serve measures beyond the simulated engine is
-  the serving path: step_scale = measured TPOT p50 / simulated, then ttft = measured TTFT p50 - simulated.
+- calibrate: closed-loop runs at concurrency 1 and 4 (no arrival process). What Serve measures beyond the simulated
+  engine is the serving path: a decode step's slow-down (step_scale) and cost per sequence in it (seq_step_s),
+  fitted so both simulated TPOT p50s match, then ttft = measured TTFT p50 - simulated at concurrency 1.
 - validate: Poisson arrivals at each given rate; predicted and measured TTFT / TPOT p50 side by side. The rates are
   not the calibration's, so the check is out of sample: queueing, batching and chunking are the simulator's own.
+Every run has prompts of its own (a seed of its own; the simulator gets the same ones): on a deployment that served
+them before, a run would find them in the prefix cache.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from cluster.plan import MODES, Profile, Workload, requests_of, simulate
 from cluster.simulator import Overheads
 
 _WARMUP_REQUESTS = 6
+CALIBRATION_CONCURRENCY = 4
+CALIBRATION_REQUESTS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,27 +87,53 @@ def _warm_up(config: RaypdConfig, bench: BenchConfig, port: int) -> None:
 
 
 def calibrate(profile: Profile, config: RaypdConfig, workload: Workload, measure) -> Profile:
-    """The profile with each mode's serving-path overheads, from one-at-a-time requests of the workload's mix."""
-    alone = dataclasses.replace(workload, concurrency=1, request_rate=float("inf"))
-    requests = requests_of(alone, config)
+    """The profile with each mode's serving-path overheads, from closed-loop runs of the workload's length mix at
+    concurrency 1 and CALIBRATION_CONCURRENCY."""
     overheads = {}
     for mode in MODES:
-        got = measure(mode, alone.bench_config(config.model_name))
-        ttft, tpot = got.latency_ms("ttft").p50, got.latency_ms("tpot").p50
-        engine_only = dataclasses.replace(profile, overheads={})
-        p = 0 if mode == "colocated" else 1
-        scale = tpot / simulate(engine_only, requests, p, 1, concurrency=1).tpot_ms.p50
-        scaled = dataclasses.replace(profile, overheads={mode: Overheads(0.0, scale)})
-        extra = ttft - simulate(scaled, requests, p, 1, concurrency=1).ttft_ms.p50
-        overheads[mode] = Overheads(max(0.0, extra) / 1e3, scale)
+        points = []
+        for concurrency in (1, CALIBRATION_CONCURRENCY):
+            closed = dataclasses.replace(workload, concurrency=concurrency, request_rate=float("inf"),
+                                         num_requests=CALIBRATION_REQUESTS, seed=workload.seed + concurrency)
+            got = measure(mode, closed.bench_config(config.model_name))
+            points.append((requests_of(closed, config), concurrency, got.latency_ms("ttft").p50,
+                           got.latency_ms("tpot").p50))
+            print(f"calibration, {mode}, concurrency {concurrency}: measured TTFT p50 {points[-1][2]:.1f} ms, "
+                  f"TPOT p50 {points[-1][3]:.2f} ms", flush=True)
+        overheads[mode] = _fit_overheads(profile, mode, points)
     return dataclasses.replace(profile, overheads=overheads)
+
+
+def _fit_overheads(profile: Profile, mode: str, points) -> Overheads:
+    """step_scale and seq_step_s so the simulated TPOT p50 matches both measured ones (Newton steps: the batches
+    shift with the speeds), then ttft_s so the TTFT p50 matches at concurrency 1."""
+    import numpy as np
+
+    p = 0 if mode == "colocated" else 1
+
+    def tpots(scale: float, seq: float) -> np.ndarray:  # (len(points),) simulated TPOT p50s, ms
+        trial = dataclasses.replace(profile, overheads={mode: Overheads(0.0, scale, seq)})
+        return np.array([simulate(trial, reqs, p, 1, concurrency=c).tpot_ms.p50 for reqs, c, _, _ in points])
+
+    measured = np.array([tpot for *_, tpot in points])  # (len(points),)
+    scale, seq = 1.0, 0.0
+    for _ in range(4):
+        base = tpots(scale, seq)
+        jacobian = np.stack([(tpots(scale * 1.1, seq) - base) / (0.1 * scale),
+                             (tpots(scale, seq + 1e-4) - base) / 1e-4], axis=1)  # (len(points), 2)
+        step = np.linalg.lstsq(jacobian, measured - base, rcond=None)[0]
+        scale, seq = max(0.5, scale + step[0]), max(0.0, seq + step[1])
+    alone, _, ttft, _ = points[0]
+    fitted = dataclasses.replace(profile, overheads={mode: Overheads(0.0, scale, seq)})
+    extra = ttft - simulate(fitted, alone, p, 1, concurrency=1).ttft_ms.p50
+    return Overheads(max(0.0, extra) / 1e3, scale, seq)
 
 
 def validate(profile: Profile, config: RaypdConfig, workload: Workload, rates: list[float], measure) -> list[Check]:
     checks = []
     for mode in MODES:
-        for rate in rates:
-            at_rate = dataclasses.replace(workload, request_rate=rate)
+        for i, rate in enumerate(rates):
+            at_rate = dataclasses.replace(workload, request_rate=rate, seed=workload.seed + 100 + i)
             predicted = simulate(profile, requests_of(at_rate, config), 0 if mode == "colocated" else 1, 1)
             got = measure(mode, at_rate.bench_config(config.model_name))
             if got.failed:

@@ -3,11 +3,11 @@ arriving at given times (a client with at most `concurrency` in flight, like `ra
 
 Each simulated replica drives the engine's own Scheduler and BlockManager, so batching is the engine's: the token
 budget, max_num_seqs, chunked prefill, preemption and prefix caching. Only the model is replaced: a step takes the
-time a StepModel fitted on this hardware (cluster/plan.py profiles it) says for the step's batch, times `step_scale`;
-a decode replica's KV import finishes `handoff_s` after the prefill's first token. Routing is by load, as the
-routers see it (prefill: prompt tokens to compute; decode: tokens to generate plus KV tokens held).
-`ttft_overhead_s` is added to every TTFT: what the serving path (HTTP, tokenizer, Serve handles, the first token's
-trip to the client) costs beyond the engine.
+time a StepModel fitted on this hardware (cluster/plan.py profiles it) says for the step's batch, adjusted on decode
+replicas by the serving path's Overheads; a decode replica's KV import ends `handoff_s` after the prefill's first
+token, and every TTFT gets `ttft_s` more (HTTP, tokenizer, Serve handles, the first token's trip to the client).
+Routing is by load, as the routers see it (prefill: prompt tokens to compute; decode: tokens to generate plus KV
+tokens held).
 """
 
 from __future__ import annotations
@@ -58,11 +58,18 @@ class EngineShape:
 
 @dataclass(frozen=True)
 class Overheads:
-    """What the serving path adds to the engine's time (cluster/plan.py calibrates them against Serve)."""
+    """What the serving path adds to the engine's time (cluster/plan_check.py calibrates them against Serve).
+    A decode replica's step (colocated: every step) takes step_scale times the engine's, plus seq_step_s per
+    sequence in it: the process and its neighbours (postproc, ingress, HTTP) share the host's cores, and each
+    sequence's tokens cost the serving path work every step."""
 
     ttft_s: float = 0.0
     step_scale: float = 1.0
+    seq_step_s: float = 0.0
     handoff_s: float = 0.0
+
+    def step_seconds(self, engine_s: float, num_seqs: int) -> float:
+        return engine_s * self.step_scale + self.seq_step_s * num_seqs
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,10 @@ class _Replica:
         if not out.scheduled:
             return  # waiting on an import (its end kicks again) or on blocks another sequence frees
         self.busy = True
-        self.sim.at(now + self.model.seconds(out) * self.overheads.step_scale, lambda t: self._end_step(out, t))
+        seconds = self.model.seconds(out)
+        if self.role == "decode":
+            seconds = self.overheads.step_seconds(seconds, len(out.scheduled))
+        self.sim.at(now + seconds, lambda t: self._end_step(out, t))
 
     def _end_step(self, out: SchedulerOutput, now: float) -> None:
         self.now, self.busy = now, False

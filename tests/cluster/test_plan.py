@@ -49,9 +49,9 @@ def test_max_num_seqs_makes_the_fifth_request_wait_for_a_seat():
 
 
 def test_disaggregated_first_token_comes_from_prefill_and_decode_starts_after_the_handoff():
-    overheads = Overheads(ttft_s=0.005, step_scale=2.0, handoff_s=0.003)
+    overheads = Overheads(ttft_s=0.005, step_scale=2.0, seq_step_s=0.0005, handoff_s=0.003)
     [r] = Simulation(SHAPE, MODEL, 1, 1, overheads).run([SimRequest(0.0, _prompt(40), 3)])
-    prefill, decode = 2 * _step(40, 1), 2 * _step(1, 1)
+    prefill, decode = _step(40, 1), 2 * _step(1, 1) + 0.0005  # the serving path slows decode steps only
     assert r.ttft_s == pytest.approx(prefill + 0.005)
     assert r.done_s == pytest.approx(prefill + 0.003 + 2 * decode)
     assert r.tpot_s == pytest.approx((0.003 + 2 * decode) / 2)
