@@ -79,7 +79,8 @@ def _complete(client, prompt: list[int]) -> str:
 
 
 def _expected(reference, prompt: list[int]) -> str:
-    return reference.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)).outputs[0].text
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return reference.generate(prompt, params).outputs[0].text
 
 
 def _kv_bytes_read() -> int:
