@@ -153,8 +153,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--max-replicas", type=int, default=6, help="most prefill + decode replicas considered")
     p.add_argument("--profile", metavar="FILE", default=None, help="reuse a saved profile instead of profiling")
     p.add_argument("--save-profile", metavar="FILE", default=None, help="write the profile (and calibration) here")
-    p.add_argument("--calibrate", action="store_true", help="measure the serving path's overheads on a local "
-                                                            "Serve deployment of CONFIG (one request at a time)")
+    p.add_argument("--calibrate", type=float, nargs=2, metavar=("LOW", "HIGH"), default=None,
+                   help="measure the serving path's overheads on a local Serve deployment of CONFIG, with the "
+                        "workload at these two rates (req/s)")
     p.add_argument("--validate", type=float, nargs="+", metavar="RATE", default=None,
                    help="also measure CONFIG's deployment (1 prefill + 1 decode, and colocated) with raypd bench at "
                         "these rates and print predicted against measured p50s")
@@ -175,7 +176,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.calibrate or args.validate:
         with plan_check.serving(config) as measure:
             if args.calibrate:
-                profile = plan_check.calibrate(profile, config, workload, measure)
+                profile = plan_check.calibrate(profile, config, workload, tuple(args.calibrate), measure)
             checks = plan_check.validate(profile, config, workload, args.validate, measure) if args.validate else []
         if checks:
             print("simulator against raypd bench on this machine:\n" + plan_check.format_checks(checks) + "\n")

@@ -4,9 +4,9 @@
    grid of prefill batches (prompt lengths x batch sizes, chunked past the token budget) and decode batches (batch
    sizes x context lengths), plus mixed steps, is timed, and a StepModel (cluster/simulator.py) is fitted to them by
    least squares on relative error.
-2. Calibrate (optional, --calibrate; cluster/plan_check.py): closed-loop runs through the Serve deployment, per
-   mode, give what the serving path adds (TTFT overhead, decode step slow-down and cost per sequence); without it
-   the engine alone is simulated.
+2. Calibrate (optional, --calibrate LOW HIGH; cluster/plan_check.py): runs through the Serve deployment at two
+   rates, per mode, give what the serving path adds (TTFT overhead and its growth with requests in flight, decode
+   step slow-down and cost per sequence); without it the engine alone is simulated.
 3. Search: for each prefill count P (0 = colocated) and decode count D up to --max-replicas, the simulator runs the
    workload (Poisson arrivals at --request-rate, the bench's length mix, tokenized with the model's tokenizer); the
    counts whose requests meet both SLOs (TTFT and TPOT) for at least --attainment of requests, at the highest goodput
@@ -278,8 +278,9 @@ def describe_profile(profile: Profile) -> str:
     lines = [f"profile of {profile.model}: {profile.num_steps} engine steps, {profile.threads or 'default'} torch "
              f"thread(s); step time = {terms} (per unit); median fit error {profile.fit_error:.1%}"]
     for mode, o in profile.overheads.items():
-        lines.append(f"  serving path, {mode}: TTFT +{o.ttft_s * 1e3:.1f} ms; decode steps x{o.step_scale:.2f} "
-                     f"+ {o.seq_step_s * 1e3:.3f} ms per sequence")
+        lines.append(f"  serving path, {mode}: TTFT +{o.ttft_s * 1e3:.1f} ms + {o.ttft_per_request_s * 1e3:.1f} ms "
+                     f"per request in flight; decode steps x{o.step_scale:.2f} + {o.seq_step_s * 1e3:.3f} ms per "
+                     "sequence")
     if not profile.overheads:
         lines.append("  not calibrated against Serve (--calibrate): the engine alone is simulated")
     return "\n".join(lines)

@@ -2,11 +2,13 @@
 
 Both run the Serve application of the YAML on a local Ray (1 prefill + 1 decode replica, or colocated with one
 decode replica) and measure it with `raypd bench`'s client.
-- calibrate: closed-loop runs at concurrency 1 and 4 (no arrival process). What Serve measures beyond the simulated
-  engine is the serving path: a decode step's slow-down (step_scale) and cost per sequence in it (seq_step_s),
-  fitted so both simulated TPOT p50s match, then ttft = measured TTFT p50 - simulated at concurrency 1.
-- validate: Poisson arrivals at each given rate; predicted and measured TTFT / TPOT p50 side by side. The rates are
-  not the calibration's, so the check is out of sample: queueing, batching and chunking are the simulator's own.
+- calibrate: Poisson arrivals at two rates. What Serve measures beyond the simulated engine is the serving path: a
+  decode step's slow-down (step_scale) and cost per sequence in it (seq_step_s), fitted so both simulated TPOT p50s
+  match; then the first token's trip (ttft_s) and what each other request in flight adds to it
+  (ttft_per_request_s), so both TTFT p50s match. On a shared host these absorb the replicas' contention for its
+  cores, which the simulator does not model otherwise.
+- validate: Poisson arrivals at each given rate; predicted and measured TTFT / TPOT p50 side by side. With other
+  rates (and prompts) than the calibration's, the check is out of sample.
 Every run has prompts of its own (a seed of its own; the simulator gets the same ones): on a deployment that served
 them before, a run would find them in the prefix cache.
 """
@@ -24,8 +26,7 @@ from cluster.plan import MODES, Profile, Workload, requests_of, simulate
 from cluster.simulator import Overheads
 
 _WARMUP_REQUESTS = 6
-CALIBRATION_CONCURRENCY = 4
-CALIBRATION_REQUESTS = 40
+CALIBRATION_REQUESTS = 80
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,47 +87,54 @@ def _warm_up(config: RaypdConfig, bench: BenchConfig, port: int) -> None:
     run_benchmark(warm)
 
 
-def calibrate(profile: Profile, config: RaypdConfig, workload: Workload, measure) -> Profile:
-    """The profile with each mode's serving-path overheads, from closed-loop runs of the workload's length mix at
-    concurrency 1 and CALIBRATION_CONCURRENCY."""
+def calibrate(profile: Profile, config: RaypdConfig, workload: Workload, rates: tuple[float, float],
+              measure) -> Profile:
+    """The profile with each mode's serving-path overheads, from runs of the workload at two Poisson rates."""
     overheads = {}
     for mode in MODES:
         points = []
-        for concurrency in (1, CALIBRATION_CONCURRENCY):
-            closed = dataclasses.replace(workload, concurrency=concurrency, request_rate=float("inf"),
-                                         num_requests=CALIBRATION_REQUESTS, seed=workload.seed + concurrency)
-            got = measure(mode, closed.bench_config(config.model_name))
-            points.append((requests_of(closed, config), concurrency, got.latency_ms("ttft").p50,
-                           got.latency_ms("tpot").p50))
-            print(f"calibration, {mode}, concurrency {concurrency}: measured TTFT p50 {points[-1][2]:.1f} ms, "
-                  f"TPOT p50 {points[-1][3]:.2f} ms", flush=True)
+        for i, rate in enumerate(rates):
+            run = dataclasses.replace(workload, request_rate=rate, num_requests=CALIBRATION_REQUESTS,
+                                      seed=workload.seed + 1 + i)
+            got = measure(mode, run.bench_config(config.model_name))
+            points.append((requests_of(run, config), got.latency_ms("ttft").p50, got.latency_ms("tpot").p50))
+            print(f"calibration, {mode}, {rate:g} req/s: measured TTFT p50 {points[-1][1]:.1f} ms, "
+                  f"TPOT p50 {points[-1][2]:.2f} ms", flush=True)
         overheads[mode] = _fit_overheads(profile, mode, points)
     return dataclasses.replace(profile, overheads=overheads)
 
 
 def _fit_overheads(profile: Profile, mode: str, points) -> Overheads:
-    """step_scale and seq_step_s so the simulated TPOT p50 matches both measured ones (Newton steps: the batches
-    shift with the speeds), then ttft_s so the TTFT p50 matches at concurrency 1."""
-    import numpy as np
-
+    """The decode-step terms (step_scale, seq_step_s) so the simulated TPOT p50s match the measured ones, then the
+    TTFT terms (ttft_s, ttft_per_request_s) so the TTFT p50s do."""
     p = 0 if mode == "colocated" else 1
 
-    def tpots(scale: float, seq: float) -> np.ndarray:  # (len(points),) simulated TPOT p50s, ms
-        trial = dataclasses.replace(profile, overheads={mode: Overheads(0.0, scale, seq)})
-        return np.array([simulate(trial, reqs, p, 1, concurrency=c).tpot_ms.p50 for reqs, c, _, _ in points])
+    def p50s(o: Overheads, metric: str) -> list[float]:
+        trial = dataclasses.replace(profile, overheads={mode: o})
+        return [getattr(simulate(trial, reqs, p, 1), metric).p50 for reqs, *_ in points]
 
-    measured = np.array([tpot for *_, tpot in points])  # (len(points),)
-    scale, seq = 1.0, 0.0
-    for _ in range(4):
-        base = tpots(scale, seq)
-        jacobian = np.stack([(tpots(scale * 1.1, seq) - base) / (0.1 * scale),
-                             (tpots(scale, seq + 1e-4) - base) / 1e-4], axis=1)  # (len(points), 2)
-        step = np.linalg.lstsq(jacobian, measured - base, rcond=None)[0]
-        scale, seq = max(0.5, scale + step[0]), max(0.0, seq + step[1])
-    alone, _, ttft, _ = points[0]
-    fitted = dataclasses.replace(profile, overheads={mode: Overheads(0.0, scale, seq)})
-    extra = ttft - simulate(fitted, alone, p, 1, concurrency=1).ttft_ms.p50
-    return Overheads(max(0.0, extra) / 1e3, scale, seq)
+    fitted = _newton(lambda a, b: p50s(Overheads(0.0, a, b), "tpot_ms"), [tpot for *_, tpot in points],
+                     (1.0, 0.0), (0.1, 1e-4), (0.5, 0.0))
+    o = Overheads(0.0, *fitted)
+    ttft = _newton(lambda a, b: p50s(dataclasses.replace(o, ttft_s=a, ttft_per_request_s=b), "ttft_ms"),
+                   [ttft for _, ttft, _ in points], (0.0, 0.0), (1e-3, 1e-3), (0.0, 0.0))
+    return dataclasses.replace(o, ttft_s=ttft[0], ttft_per_request_s=ttft[1])
+
+
+def _newton(f, target: list[float], start: tuple[float, float], delta: tuple[float, float],
+            floor: tuple[float, float], iterations: int = 4) -> tuple[float, float]:
+    """Two parameters (a, b) with f(a, b) ~ target (two simulated p50s against two measured): Newton steps on a
+    finite-difference Jacobian, each parameter kept >= its floor (the simulated batches shift with the speeds)."""
+    import numpy as np
+
+    a, b = start
+    for _ in range(iterations):
+        base = np.array(f(a, b))  # (2,)
+        jacobian = np.stack([(np.array(f(a + delta[0], b)) - base) / delta[0],
+                             (np.array(f(a, b + delta[1])) - base) / delta[1]], axis=1)  # (2, 2)
+        step = np.linalg.lstsq(jacobian, np.array(target) - base, rcond=None)[0]
+        a, b = max(floor[0], a + step[0]), max(floor[1], b + step[1])
+    return float(a), float(b)
 
 
 def validate(profile: Profile, config: RaypdConfig, workload: Workload, rates: list[float], measure) -> list[Check]:

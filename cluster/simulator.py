@@ -61,12 +61,14 @@ class Overheads:
     """What the serving path adds to the engine's time (cluster/plan_check.py calibrates them against Serve).
     A decode replica's step (colocated: every step) takes step_scale times the engine's, plus seq_step_s per
     sequence in it: the process and its neighbours (postproc, ingress, HTTP) share the host's cores, and each
-    sequence's tokens cost the serving path work every step."""
+    sequence's tokens cost the serving path work every step. A request's first token also waits
+    ttft_s + ttft_per_request_s per other request in flight on the serving path."""
 
     ttft_s: float = 0.0
     step_scale: float = 1.0
     seq_step_s: float = 0.0
     handoff_s: float = 0.0
+    ttft_per_request_s: float = 0.0  # more TTFT per other request in flight when it is sent (they share the path)
 
     def step_seconds(self, engine_s: float, num_seqs: int) -> float:
         return engine_s * self.step_scale + self.seq_step_s * num_seqs
@@ -205,7 +207,8 @@ class Simulation:
         self.prefill = [_Replica(self, "prefill", shape, model, overheads, self._prefilled) for _ in range(num_prefill)]
         self.decode = [_Replica(self, "decode", shape, model, overheads, self._decoded) for _ in range(num_decode)]
         self._concurrency = concurrency
-        self._in_flight = 0
+        self._in_flight = 0  # client slots taken (a slot passes straight to a waiting request)
+        self._active = 0  # requests sent and not finished
         self._gate: deque[SimRecord] = deque()
         self._records: dict[int, SimRecord] = {}
         self._ids = itertools.count()
@@ -233,7 +236,9 @@ class Simulation:
 
     def _send(self, record: SimRecord, now: float, slot_held: bool = False) -> None:
         self._in_flight += 0 if slot_held else 1
+        self._active += 1
         record.sent_s = now
+        record.ttft_overhead_s += self.overheads.ttft_per_request_s * (self._active - 1)
         request_id = next(self._ids)
         self._records[request_id] = record
         kind = "context_only" if self.prefill else "context_and_generation"
@@ -242,6 +247,7 @@ class Simulation:
 
     def _finish(self, record: SimRecord, now: float) -> None:
         record.done_s = now
+        self._active -= 1
         if not self._gate:
             self._in_flight -= 1
             return

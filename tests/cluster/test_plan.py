@@ -148,3 +148,11 @@ def test_plan_command_prints_the_candidates_and_writes_the_yaml(tiny_llama, tmp_
     assert main(["plan", str(_yaml(tmp_path, tiny_llama)), "--profile", str(saved), "--slo-ttft-ms", "0.01",
                  "--slo-tpot-ms", "5", "--num-requests", "10", "--max-replicas", "2", "--out", str(out)]) == 1
     assert "no deployment of up to 2 replicas meets the SLOs" in capsys.readouterr().err
+
+
+def test_each_request_in_flight_adds_to_a_new_requests_ttft():
+    requests = [SimRequest(0.0, _prompt(8, 0), 50), SimRequest(0.001, _prompt(8, 1), 2)]
+    plain = Simulation(SHAPE, MODEL, 1, 1).run(requests)
+    loaded = Simulation(SHAPE, MODEL, 1, 1, Overheads(ttft_per_request_s=0.004)).run(requests)
+    assert loaded[0].ttft_s == pytest.approx(plain[0].ttft_s)  # nothing else in flight when it was sent
+    assert loaded[1].ttft_s == pytest.approx(plain[1].ttft_s + 0.004)
