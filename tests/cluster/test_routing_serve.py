@@ -164,3 +164,14 @@ def test_slo_policy_scales_prefill_on_its_ttft(server, client, tiny_llama):
         assert time.monotonic() < deadline, "prefill did not scale up on its TTFT"
         time.sleep(1.0)
     assert serve.status().applications[SCALE_APP].deployments["decode"].replica_states.get("RUNNING") == 1
+
+
+def test_a_batch_of_prompts_is_routed_call_by_call(client, reference):
+    # The prompts of one HTTP request are in flight at once, each its own prefill and decode call: the router's
+    # choice must reach each call (they share the HTTP request's context), or one waits for a replica forever.
+    words = [chr(97 + i) * 3 for i in range(26)]
+    prompts = [" ".join(random.Random(500 + i).choices(words, k=40)) for i in range(3)]
+    got = client.completions.create(model="tiny", prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True}, timeout=30)
+    texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+    assert texts == [_expected(reference, p) for p in prompts]
