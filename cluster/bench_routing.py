@@ -14,7 +14,7 @@ import dataclasses
 import time
 
 from cluster.bench import BenchConfig, BenchResult
-from cluster.config import RaypdConfig, load_config
+from cluster.config import RaypdConfig, RouterPolicy, load_config
 from cluster.plan_check import _free_port
 
 POLICIES = ("least_queued_tokens", "power_of_two_choices", "prefix_aware")
@@ -36,7 +36,7 @@ def deployment(config: RaypdConfig, policy: str, max_local_prefill_tokens: int, 
         "mode": "disaggregated", "engine": engine,
         "prefill": config.prefill.model_copy(update={**one, "replicas": 2}),
         "decode": config.decode.model_copy(update=one),
-        "router": config.router.model_copy(update={"policy": policy,
+        "router": config.router.model_copy(update={"policy": RouterPolicy(policy),
                                                    "max_local_prefill_tokens": max_local_prefill_tokens})})
 
 
