@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.autoscaling import RolePolicy, desired_replicas
+from cluster.directory import Entry
+from cluster.local_prefill import LocalPrefill
 from cluster.request_router import LeastQueuedTokensRouter, PrefixAwareRouter
 from cluster.routing_policy import (BITS_PER_KEY, EMPTY, PrefixSummary, ReplicaState, cached_tokens, choose_prefill,
                                     prompt_block_keys, replica_cost, replica_state)
@@ -104,6 +106,19 @@ def test_conditional_disaggregation_prefills_short_remainders_locally():
     assert not choose_prefill(follow_up, "other-tenant", decode, 32).local  # the salt keys it apart
     assert not choose_prefill(_tokens(5, seed=12), None, decode, 0).local  # 0: never local
     assert choose_prefill(_tokens(5, seed=12), None, [], 32).local  # no view yet: the whole prompt is weighed
+
+
+def test_local_prefill_decides_from_the_decode_entries_the_watch_hands_it():
+    history = _tokens(120, seed=8)
+    follow_up = SimpleNamespace(prompt_token_ids=history + _tokens(10, seed=9), sampling_params=SamplingParams())
+    local = LocalPrefill(32)
+    assert not local(follow_up)  # no view yet: all 130 tokens are weighed
+    entries = [Entry("decode", "a", None, {}, 1, (), _state([history]).to_json()),
+               Entry("decode", "b", None, {}, 1, (), None)]  # not reporting a routing state: skipped
+    local.update(entries)
+    assert local(follow_up) and local.choose(follow_up).tokens_to_prefill == 10
+    local.update([])  # the replica is gone: the next view has nothing cached
+    assert not local(follow_up)
 
 
 def _replica(name: str, stats: dict | None):
