@@ -5,10 +5,10 @@ stream cancels its call (the replica then aborts the request in its engine)."""
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import AsyncIterator
 
 from ray.serve import context as serve_context
-from ray.serve._private.utils import generate_request_id
 
 from decode.worker import PostprocRoute
 from llmapi.disaggregated_params import DisaggregatedParams
@@ -63,7 +63,7 @@ def _remote(method, *args):
     a batch) would leave one of them never routed."""
     ctx = serve_context._get_serve_request_context()
     token = serve_context._serve_request_context.set(
-        dataclasses.replace(ctx, _internal_request_id=generate_request_id()))
+        dataclasses.replace(ctx, _internal_request_id=str(uuid.uuid4())))
     try:
         return method.remote(*args)
     finally:
