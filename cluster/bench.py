@@ -3,6 +3,11 @@
 Requests arrive as a Poisson process at `request_rate` (all at once when it is inf), at most `concurrency` in flight;
 each streams a completion of a random prompt, and the arrival time of every streamed chunk is recorded. From those come
 TTFT, TPOT, ITL and E2E percentiles, throughput and goodput (requests per second that met every SLO given).
+`workload="chat"`: multi-turn conversations instead. Every conversation starts with the same system prompt
+(`system_len` words); conversations arrive as the Poisson process, and each sends `num_turns` requests, one after
+another: a turn's prompt is the conversation so far (system prompt, earlier user messages and the server's replies)
+plus a new user message of `input_len` words, sent when the previous reply has ended. The share of prompt tokens the
+server reports as cached (`usage.prompt_tokens_details.cached_tokens`) is the run's prefix-cache hit rate.
 `run_benchmark(config)` is the core: the same seed gives the same prompts, lengths and arrival times, so one process can
 measure several endpoints on one workload and compare them (cluster.bench_report draws and tabulates them side by side).
 """
@@ -14,7 +19,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 
@@ -46,6 +51,9 @@ class BenchConfig:
     request_timeout_s: float = 120.0  # each request's total budget, from being sent to its last chunk
     num_warmups: int = 0  # requests sent one at a time before the measured run, not recorded
     api_key: str | None = None
+    workload: str = "random"  # random: independent prompts; chat: multi-turn conversations (module docstring)
+    num_turns: int = 4  # chat: requests per conversation; num_requests / num_turns conversations
+    system_len: int = 256  # chat: words of the system prompt every conversation starts with
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "input_len", "output_len", "request_timeout_s"):
@@ -59,14 +67,26 @@ class BenchConfig:
             raise ConfigError(f"bench range_ratio: must be in [0, 1), got {self.range_ratio}")
         if self.num_warmups < 0:
             raise ConfigError(f"bench num_warmups: must be >= 0, got {self.num_warmups}")
+        if self.workload not in WORKLOADS:
+            raise ConfigError(f"bench workload: must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        if self.workload == "chat" and (self.num_turns < 1 or self.num_requests % self.num_turns):
+            raise ConfigError(f"bench num_turns: must be >= 1 and divide num_requests ({self.num_requests}), "
+                              f"got {self.num_turns}")
+        if self.system_len < 0:
+            raise ConfigError(f"bench system_len: must be >= 0, got {self.system_len}")
+
+
+WORKLOADS = ("random", "chat")
 
 
 @dataclass(frozen=True)
 class RequestSpec:
-    prompt: str
+    prompt: str  # chat: the new user message only (the conversation so far goes before it)
     prompt_words: int
     max_tokens: int
-    arrival_s: float  # offset from the start of the run
+    arrival_s: float  # offset from the start of the run; chat: of the conversation's first turn
+    conversation: int = 0  # chat: which conversation, and the turn within it
+    turn: int = 0
 
 
 @dataclass
@@ -79,6 +99,8 @@ class RequestRecord:
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # gaps between consecutive streamed chunks
     output_tokens: int = 0  # the server's usage count when it reports one, else the chunks that carried text
+    prompt_tokens: int | None = None  # the server's usage counts, when it reports them
+    cached_tokens: int | None = None  # of prompt_tokens, served from its prefix cache
 
     @property
     def tpot_s(self) -> float | None:
@@ -141,6 +163,14 @@ class BenchResult:
         return self.output_tokens / self.duration_s
 
     @property
+    def cache_hit_rate(self) -> float | None:
+        """Prompt tokens the server served from its prefix cache, as a share of all prompt tokens; None when it did
+        not report them."""
+        counted = [r for r in self.records if r.ok and r.prompt_tokens and r.cached_tokens is not None]
+        prompt = sum(r.prompt_tokens for r in counted)
+        return sum(r.cached_tokens for r in counted) / prompt if prompt else None
+
+    @property
     def good_requests(self) -> int | None:
         """Completed requests within every SLO given; None when no SLO was given."""
         if self.config.slo_ttft_ms is None and self.config.slo_tpot_ms is None:
@@ -174,17 +204,24 @@ class BenchResult:
 
 
 def make_workload(config: BenchConfig) -> list[RequestSpec]:
-    """The prompts, lengths and arrival times of a run: a function of the config alone (seeded)."""
+    """The prompts, lengths and arrival times of a run: a function of the config alone (seeded). chat: the user
+    messages, turn by turn, each conversation's turns together and in order."""
     # One generator per aspect, so a different request rate does not change the prompts, nor the lengths the arrivals.
     lengths, words, arrivals = (random.Random(f"{config.seed}-{what}") for what in ("lengths", "words", "arrivals"))
+    turns = config.num_turns if config.workload == "chat" else 1
     specs, now = [], 0.0
-    for _ in range(config.num_requests):
+    for i in range(config.num_requests):
         n_in = _length(lengths, config.input_len, config.range_ratio)
         n_out = _length(lengths, config.output_len, config.range_ratio)
-        specs.append(RequestSpec(" ".join(words.choices(_WORDS, k=n_in)), n_in, n_out, now))
-        if math.isfinite(config.request_rate):
+        specs.append(RequestSpec(" ".join(words.choices(_WORDS, k=n_in)), n_in, n_out, now, i // turns, i % turns))
+        if math.isfinite(config.request_rate) and i % turns == turns - 1:
             now += arrivals.expovariate(config.request_rate)
     return specs
+
+
+def system_prompt(config: BenchConfig) -> str:
+    """The chat workload's shared system prompt (seeded, like the rest of the workload)."""
+    return " ".join(random.Random(f"{config.seed}-system").choices(_WORDS, k=config.system_len))
 
 
 def _length(rng: random.Random, mean: int, ratio: float) -> int:
@@ -209,9 +246,29 @@ async def arun_benchmark(config: BenchConfig) -> BenchResult:
             await _send(client, config, spec)
         gate = asyncio.Semaphore(limit)
         start = time.perf_counter()
-        records = await asyncio.gather(*(_arrive(client, config, spec, gate, start) for spec in specs))
+        if config.workload == "chat":
+            conversations = [specs[i:i + config.num_turns] for i in range(0, len(specs), config.num_turns)]
+            done = await asyncio.gather(*(_converse(client, config, c, gate, start) for c in conversations))
+            records = [record for turns in done for record in turns]
+        else:
+            records = await asyncio.gather(*(_arrive(client, config, spec, gate, start) for spec in specs))
         duration = time.perf_counter() - start
     return BenchResult(config, duration, list(records))
+
+
+async def _converse(client: httpx.AsyncClient, config: BenchConfig, turns: list[RequestSpec],
+                    gate: asyncio.Semaphore, start: float) -> list[RequestRecord]:
+    """One conversation: each turn's prompt is everything said so far plus the new user message."""
+    await asyncio.sleep(max(0.0, start + turns[0].arrival_s - time.perf_counter()))
+    history, records = system_prompt(config), []
+    for spec in turns:
+        prompt = f"{history} {spec.prompt}".strip()
+        async with gate:
+            record, reply = await _exchange(client, config, replace(spec, prompt=prompt,
+                                                                    prompt_words=len(prompt.split())))
+        records.append(record)
+        history = prompt + reply
+    return records
 
 
 async def _arrive(client: httpx.AsyncClient, config: BenchConfig, spec: RequestSpec, gate: asyncio.Semaphore,
@@ -222,29 +279,38 @@ async def _arrive(client: httpx.AsyncClient, config: BenchConfig, spec: RequestS
 
 
 async def _send(client: httpx.AsyncClient, config: BenchConfig, spec: RequestSpec) -> RequestRecord:
-    record = RequestRecord(spec.prompt_words, spec.max_tokens)
+    return (await _exchange(client, config, spec))[0]
+
+
+async def _exchange(client: httpx.AsyncClient, config: BenchConfig, spec: RequestSpec) -> tuple[RequestRecord, str]:
+    """One request's measurements and the text it got back ("" when it failed)."""
+    record, reply = RequestRecord(spec.prompt_words, spec.max_tokens), ""
     try:
-        await asyncio.wait_for(_stream(client, config, spec, record), config.request_timeout_s)
+        reply = await asyncio.wait_for(_stream(client, config, spec, record), config.request_timeout_s)
         record.ok = True
     except asyncio.TimeoutError:
         record.error = f"timed out after {config.request_timeout_s:g} s"
     except Exception as exc:  # a failed request is a data point of the run, not the end of it
         record.error = f"{type(exc).__name__}: {exc}"
-    return record
+    return record, reply
 
 
-async def _stream(client: httpx.AsyncClient, config: BenchConfig, spec: RequestSpec, record: RequestRecord) -> None:
+async def _stream(client: httpx.AsyncClient, config: BenchConfig, spec: RequestSpec, record: RequestRecord) -> str:
     body = {"model": config.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
-    chunks, usage = 0, None
+    chunks, usage, texts = 0, None, []
     async with client.stream("POST", "completions", json=body) as rsp:
         if rsp.status_code != 200:
             raise RuntimeError(f"HTTP {rsp.status_code}: {(await rsp.aread())[:300].decode(errors='replace')}")
         async for event in _sse_events(rsp):
             if "error" in event:
                 raise RuntimeError(f"error in stream: {event['error']}")
-            usage = (event.get("usage") or {}).get("completion_tokens", usage)
+            if event.get("usage"):
+                usage = event["usage"].get("completion_tokens", usage)
+                record.prompt_tokens = event["usage"].get("prompt_tokens")
+                record.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+            texts += [choice.get("text") or "" for choice in event.get("choices") or ()]
             if any(choice.get("text") for choice in event.get("choices") or ()):
                 now = time.perf_counter()
                 if chunks:
@@ -256,6 +322,7 @@ async def _stream(client: httpx.AsyncClient, config: BenchConfig, spec: RequestS
         raise RuntimeError("the stream ended without any text")
     record.e2e_s = time.perf_counter() - start
     record.output_tokens = usage if usage is not None else chunks
+    return "".join(texts)
 
 
 async def _sse_events(rsp: httpx.Response):

@@ -40,6 +40,7 @@ _SUMMARY_ROWS = (
     ("request throughput (req/s)", lambda r: f"{r.request_throughput:.2f}"),
     ("output throughput (tok/s)", lambda r: f"{r.output_throughput:.1f}"),
     ("goodput (req/s)", _goodput),
+    ("prompt tokens cached", lambda r: "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.1%}"),
 )
 
 
@@ -57,6 +58,7 @@ def _one(r: BenchResult) -> dict[str, Any]:
     return {"config": config, "duration_s": r.duration_s, "completed": r.completed, "failed": r.failed,
             "output_tokens": r.output_tokens, "request_throughput": r.request_throughput,
             "output_throughput": r.output_throughput, "good_requests": r.good_requests, "goodput": r.goodput,
+            "cache_hit_rate": r.cache_hit_rate,
             "latency_ms": latency, "requests": requests}
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -51,7 +52,10 @@ def _validate(args: argparse.Namespace) -> int:
               f"each; image URLs: {urls}")
     else:
         print("  encoder: not started (the model has no vision tower)")
-    print(f"  router {config.router.policy.value}; http {config.http.host}:{config.http.port}"
+    local = config.router.max_local_prefill_tokens
+    print(f"  router {config.router.policy.value}"
+          f"{f', prompts under {local} uncached tokens prefill on their decode replica' if local else ''}; "
+          f"http {config.http.host}:{config.http.port}"
           f"{' (API key required)' if config.http.api_key_value() else ''}")
     return 0
 
@@ -59,6 +63,10 @@ def _validate(args: argparse.Namespace) -> int:
 def _describe_role(role: Role) -> str:
     a = role.autoscaling
     scale = f"{a.min_replicas}..{a.max_replicas} replicas (autoscaling)" if a else f"{role.replicas or 1} replica(s)"
+    if a is not None:
+        on = (", ".join(f"{name} {value:g}" for name, value in a.slo.targets().items()) if a.slo
+              else f"target_ongoing_requests {a.target_ongoing_requests:g}")
+        scale += f" on {on} per replica (up after {a.upscale_delay_s:g} s, down after {a.downscale_delay_s:g} s)"
     return f"{scale}, each num_cpus={role.num_cpus}, num_gpus={role.num_gpus}, resources={role.resources}"
 
 
@@ -78,6 +86,11 @@ def _add_bench(sub) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput counts requests with TPOT within this")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="each request's total budget")
     p.add_argument("--num-warmups", type=int, default=0, help="unrecorded requests sent first, one at a time")
+    p.add_argument("--workload", choices=("random", "chat"), default="random",
+                   help="random: independent prompts; chat: multi-turn conversations sharing a system prompt, "
+                        "each turn sent when the previous reply ended (--request-rate: conversations per second)")
+    p.add_argument("--num-turns", type=int, default=4, help="chat: turns per conversation (divides --num-requests)")
+    p.add_argument("--system-len", type=int, default=256, help="chat: words of the shared system prompt")
     p.add_argument("--json", metavar="OUT", default=None, help="write results (per request too) to this JSON file")
     p.add_argument("--plot", metavar="OUT.png", default=None, help="draw latency CDFs to this PNG")
     p.set_defaults(run=_bench)
@@ -181,7 +194,67 @@ def _drain(directory, grace_s: float) -> None:
     directory.set_flag(DRAINING_KEY + _APP.encode(), False)
 
 
-SUBCOMMANDS = (_add_config_schema, _add_validate, _add_serve, _add_bench)
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="recommend prefill and decode replica counts for a workload and SLOs, from a "
+                                    "profile of this hardware and a simulation of the deployment")
+    p.add_argument("config", metavar="CONFIG", help="deployment YAML whose model and engine settings are planned for")
+    p.add_argument("--request-rate", type=float, default=4.0, help="req/s, Poisson arrivals (default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length in words, as raypd bench")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)")
+    p.add_argument("--num-requests", type=int, default=200, help="requests simulated (and sent by --validate)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, required=True, help="time to first token each request must meet")
+    p.add_argument("--slo-tpot-ms", type=float, required=True, help="time per output token each request must meet")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests within both SLOs required")
+    p.add_argument("--max-replicas", type=int, default=6, help="most prefill + decode replicas considered")
+    p.add_argument("--profile", metavar="FILE", default=None, help="reuse a saved profile instead of profiling")
+    p.add_argument("--save-profile", metavar="FILE", default=None, help="write the profile (and calibration) here")
+    p.add_argument("--calibrate", type=float, nargs=2, metavar=("LOW", "HIGH"), default=None,
+                   help="measure the serving path's overheads on a local Serve deployment of CONFIG, with the "
+                        "workload at these two rates (req/s)")
+    p.add_argument("--validate", type=float, nargs="+", metavar="RATE", default=None,
+                   help="also measure CONFIG's deployment (1 prefill + 1 decode, and colocated) with raypd bench at "
+                        "these rates and print predicted against measured p50s")
+    p.add_argument("--out", metavar="YAML", default="plan.yaml", help="where to write the recommended deployment")
+    p.set_defaults(run=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if not 0 < args.attainment <= 1 or args.max_replicas < 1:
+        raise ConfigError("plan --attainment must be in (0, 1] and --max-replicas >= 1")
+    from cluster import plan, plan_check
+
+    workload = plan.Workload(args.input_len, args.output_len, args.range_ratio, args.request_rate,
+                             args.num_requests, args.seed)
+    workload.bench_config(config.model_name)  # a bad length or rate fails here, naming the setting
+    profile = plan.Profile.load(args.profile) if args.profile else plan.profile(config)
+    if args.calibrate or args.validate:
+        with plan_check.serving(config) as measure:
+            if args.calibrate:
+                profile = plan_check.calibrate(profile, config, workload, tuple(args.calibrate), measure)
+            checks = plan_check.validate(profile, config, workload, args.validate, measure) if args.validate else []
+        if checks:
+            print("simulator against raypd bench on this machine:\n" + plan_check.format_checks(checks) + "\n")
+    if args.save_profile:
+        profile.save(args.save_profile)
+    print(plan.describe_profile(profile) + "\n")
+    outcomes, best = plan.search(profile, plan.requests_of(workload, config), args.slo_ttft_ms, args.slo_tpot_ms,
+                                 args.max_replicas, args.attainment)
+    print(f"{args.num_requests} requests at {args.request_rate:g} req/s, {args.input_len} words in, "
+          f"{args.output_len} tokens out; SLOs TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms "
+          f"for {args.attainment:.0%} of requests:\n" + plan.format_outcomes(outcomes, best))
+    if best is None:
+        print(f"raypd: no deployment of up to {args.max_replicas} replicas meets the SLOs", file=sys.stderr)
+        return 1
+    pathlib.Path(args.out).write_text(plan.plan_yaml(args.config, best))
+    print(f"\nrecommended: {best.num_prefill} prefill + {best.num_decode} decode replica(s)"
+          f"{' (colocated)' if best.num_prefill == 0 else ''}; wrote {args.out}")
+    return 0
+
+
+SUBCOMMANDS = (_add_config_schema, _add_validate, _add_serve, _add_bench, _add_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,10 @@ import yaml
 from pydantic import (BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
+from cluster.autoscaling import DECODE_SIGNALS, PREFILL_SIGNALS
+
+_SLO_SIGNALS = {"prefill": PREFILL_SIGNALS, "decode": DECODE_SIGNALS}
+
 
 class ConfigError(ValueError):
     """A config that cannot start; the message names each bad field by its dotted path."""
@@ -26,12 +30,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SloTargets(_Strict):
+    """Per-replica targets a role's SLO autoscaling policy (cluster/autoscaling.py) scales toward: Serve keeps
+    replicas * max(metric mean / target) running. Only the role's own signals: prefill queued_prompt_tokens and
+    ttft_ms, decode running_seqs, kv_usage and tpot_ms. Each unset one is not weighed."""
+
+    queued_prompt_tokens: float | None = Field(None, gt=0, description="prefill: prompt tokens accepted and not yet "
+                                                                       "computed, per replica.")
+    ttft_ms: float | None = Field(None, gt=0, description="prefill: mean time from accepting a prompt to its first "
+                                                          "token on the replica, ms.")
+    running_seqs: float | None = Field(None, gt=0, description="decode: sequences in the running batch, per replica.")
+    kv_usage: float | None = Field(None, gt=0, le=1, description="decode: fraction of the replica's KV blocks in use.")
+    tpot_ms: float | None = Field(None, gt=0, description="decode: mean time per output token, ms.")
+
+    def targets(self) -> dict[str, float]:
+        return {name: value for name, value in self.model_dump().items() if value is not None}
+
+
 class Autoscaling(_Strict):
     # Serve can scale to zero, but a role with no replica makes every request wait on a cold start, so min >= 1.
     min_replicas: int = Field(1, ge=1, description="Fewest replicas kept running.")
     max_replicas: int = Field(ge=1, description="Most replicas Serve may start; must be >= min_replicas.")
     target_ongoing_requests: float = Field(
-        2.0, gt=0, description="Ongoing requests per replica that Serve's autoscaler aims for.")
+        2.0, gt=0, description="Ongoing requests per replica that Serve's autoscaler aims for (when no `slo`).")
+    slo: SloTargets | None = Field(None, description="Scale on the role's own signals toward these targets "
+                                                     "instead of on ongoing requests (prefill and decode only).")
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long Serve must want more replicas before adding.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="How long Serve must want fewer before removing.")
+    look_back_period_s: float = Field(30.0, gt=0, description="Window the metrics are averaged over.")
 
     @field_validator("max_replicas")
     @classmethod
@@ -40,6 +66,20 @@ class Autoscaling(_Strict):
         if low is not None and value < low:
             raise ValueError(f"must be >= min_replicas ({low}), got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _some_target(self) -> Autoscaling:
+        if self.slo is not None and not self.slo.targets():
+            raise ValueError("slo: give at least one target")
+        return self
+
+    def serve_config(self) -> dict[str, Any]:
+        """Serve's autoscaling_config: ongoing requests, or the SLO policy with the targets as its kwargs."""
+        options = self.model_dump(exclude={"slo"})
+        if self.slo is not None:
+            options["policy"] = {"policy_function": "cluster.autoscaling:RolePolicy",
+                                 "policy_kwargs": {"targets": self.slo.targets()}}
+        return options
 
 
 class Role(_Strict):
@@ -81,7 +121,7 @@ class Role(_Strict):
             actor["num_cpus"] = self.num_cpus
         options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
         if self.autoscaling is not None:
-            options["autoscaling_config"] = self.autoscaling.model_dump()
+            options["autoscaling_config"] = self.autoscaling.serve_config()
         else:
             options["num_replicas"] = self.replicas or 1
         return options
@@ -155,14 +195,20 @@ class MultimodalSettings(_Strict):
 class RouterPolicy(str, enum.Enum):
     LEAST_QUEUED_TOKENS = "least_queued_tokens"
     POWER_OF_TWO_CHOICES = "power_of_two_choices"  # Serve's default: the shorter queue of two random replicas
+    PREFIX_AWARE = "prefix_aware"  # the replica whose prefix cache leaves the least to compute, load included
 
 
 class RouterSettings(_Strict):
     policy: RouterPolicy = Field(
         RouterPolicy.LEAST_QUEUED_TOKENS,
         description="How a prefill and a decode replica are picked for each request: least_queued_tokens (each "
-                    "replica reports its engine's queued tokens every 0.5 s) or Serve's power_of_two_choices "
-                    "(ongoing requests).")
+                    "replica reports its engine's queued tokens every 0.5 s), Serve's power_of_two_choices "
+                    "(ongoing requests), or prefix_aware (each replica also reports a Bloom filter of its cached "
+                    "block keys; a prompt goes where its uncached tokens plus the replica's load are fewest).")
+    max_local_prefill_tokens: int = Field(
+        0, ge=0, description="Conditional disaggregation: a prompt with fewer tokens than this left to compute "
+                             "after the best prefix-cache hit on a decode replica is prefilled on the decode replica "
+                             "(no prefill hop, no KV transfer); longer ones on a prefill replica. 0: always remote.")
 
 
 class HttpSettings(_Strict):
@@ -261,6 +307,20 @@ class RaypdConfig(_Strict):
         if not (path / "config.json").is_file():
             raise ValueError(f"{value!r} has no config.json: not a Hugging Face checkpoint directory")
         return str(path.resolve())
+
+    @field_validator("prefill", "decode", "ingress", "encoder")
+    @classmethod
+    def _slo_of_the_role(cls, value: Role, info: ValidationInfo) -> Role:
+        slo = value.autoscaling.slo if value.autoscaling is not None else None
+        if slo is None:
+            return value
+        allowed = _SLO_SIGNALS.get(info.field_name, ())
+        wrong = [name for name in slo.targets() if name not in allowed]
+        if wrong:
+            own = f"its signals are {', '.join(allowed)}" if allowed else "it scales on ongoing requests only"
+            raise ValueError(f"autoscaling.slo: {', '.join(wrong)} is not what {info.field_name} is responsible "
+                             f"for; {own}")
+        return value
 
     @field_validator("postproc")
     @classmethod

@@ -33,6 +33,7 @@ class Entry:
     stats: dict[str, float]
     counter: int
     peers: tuple[str, ...] = ()  # engine names of the replicas it has met
+    routing: dict | None = None  # its load and prefix-cache summary (cluster/routing_policy.ReplicaState.to_json)
 
 
 def _key(app: str, role: str, replica_id: str = "") -> bytes:
@@ -61,8 +62,9 @@ class Directory:
         self._seen: dict[bytes, tuple[int, float]] = {}  # key -> (counter, when it last moved, our clock)
 
     def publish(self, role: str, replica_id: str, card: EngineCard | None, stats: dict[str, float],
-                counter: int, peers: tuple[str, ...] = ()) -> None:
-        body = {"card": _card_json(card), "stats": stats, "counter": counter, "peers": list(peers)}
+                counter: int, peers: tuple[str, ...] = (), routing: dict | None = None) -> None:
+        body = {"card": _card_json(card), "stats": stats, "counter": counter, "peers": list(peers),
+                "routing": routing}
         internal_kv._internal_kv_put(_key(self.app, role, replica_id), json.dumps(body), namespace=_NAMESPACE)
 
     def flag(self, name: bytes) -> bool:
@@ -88,7 +90,7 @@ class Directory:
             try:
                 body = json.loads(raw)
                 entry = Entry(role, key.decode().rsplit("/", 1)[1], _card(body["card"]), dict(body["stats"]),
-                              int(body["counter"]), tuple(body.get("peers", ())))
+                              int(body["counter"]), tuple(body.get("peers", ())), body.get("routing"))
             except (ValueError, KeyError, TypeError):
                 continue  # not written by a replica of ours
             counter, moved = self._seen.get(key, (None, now))

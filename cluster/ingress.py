@@ -20,6 +20,7 @@ from cluster.directory import Directory
 from cluster.edge import Admission, EdgeError, EdgeGate, EdgeLimits, Ticket
 from cluster.edge_images import BadImage, EdgeImages
 from cluster.lanes import OwnerLanes
+from cluster.local_prefill import LocalPrefill
 from cluster.metrics import Metrics
 from cluster.openai_format import Formatter, error_body
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -67,7 +68,9 @@ class Ingress:
         self.admission = Admission(config.limits)
         app.state.max_body_bytes = int(config.limits.max_body_bytes)  # read by EdgeGate before any parsing
         app.state.admission = self.admission
-        self.owner = RequestOwner(ServeRoles(prefill, decode, encoder), self.tokenizer, self.config.request_timeout_s)
+        self._local_prefill = LocalPrefill.for_config(config, colocated=prefill is None)  # fed by _look
+        self.owner = RequestOwner(ServeRoles(prefill, decode, encoder), self.tokenizer, self.config.request_timeout_s,
+                                  local_prefill=self._local_prefill)
         self._lanes = self._open_lanes(postprocs)
         self.owner.lanes = self._lanes
         self.metrics = Metrics()
@@ -265,6 +268,8 @@ class Ingress:
 
     def _look(self) -> None:
         self._role_stats = {role: self._directory.totals(role) for role in self._roles}
+        if self._local_prefill is not None:
+            self._local_prefill.update(self._directory.entries("decode"))
         self._seen_live.update(role for role, stats in self._role_stats.items() if stats["replicas"])
         # A role counts as missing once it has been seen and is gone; before its first replica registers, Serve
         # itself holds requests until one is up.

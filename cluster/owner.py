@@ -17,7 +17,7 @@ import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
@@ -96,10 +96,13 @@ class _Serving:
 
 class RequestOwner:
     """lanes: with them, decoded tokens come back through the postproc workers (detokenized there) to on_output();
-    without, the owner post-processes the decode stream itself."""
+    without, the owner post-processes the decode stream itself. local_prefill: conditional disaggregation
+    (cluster/local_prefill.py): True for a request to serve whole on a decode replica (no KV transfer)."""
 
-    def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: Lanes | None = None):
+    def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: Lanes | None = None,
+                 local_prefill: Callable[[RequestOutput], bool] | None = None):
         self.roles = roles
+        self.local_prefill = local_prefill
         self.tokenizer = tokenizer
         self.request_timeout_s = request_timeout_s
         self.lanes = lanes
@@ -107,7 +110,7 @@ class RequestOwner:
         self._ids = itertools.count(uuid.uuid4().int >> 80)  # unique across owners that share workers
         self._serving: dict[int, _Serving] = {}  # result id -> state
         self._via_lane: dict[int, tuple[_Serving, asyncio.Future]] = {}  # engine id -> state, final output
-        self.counters = {"resumed": 0, "prefill_lost": 0}
+        self.counters = {"resumed": 0, "prefill_lost": 0, "local_prefill": 0}
         self._loop: asyncio.AbstractEventLoop | None = None  # the owner's event loop: all its state lives there
 
     def create(self, prompt: str | list[int], params: SamplingParams, streaming: bool = False, text: str | None = None,
@@ -158,11 +161,19 @@ class RequestOwner:
     # ---- the stages ----
     async def _serve(self, s: _Serving) -> None:
         params = None
-        if not self.roles.colocated:
+        if not self.roles.colocated and not self._local(s):
             params = await self._prefill(s)
             if params is False:
                 return
-        await self._decode(s, params)
+        await self._decode(s, params)  # params None: whole on a decode worker
+
+    def _local(self, s: _Serving) -> bool:
+        """Conditional disaggregation: a prompt with little left to prefill after its best prefix hit is served whole
+        on a decode worker, the path a lost prefill role takes too."""
+        if self.local_prefill is None or not self.local_prefill(s.result):
+            return False
+        self.counters["local_prefill"] += 1
+        return True
 
     async def _prefill(self, s: _Serving) -> DisaggregatedParams | None | bool:
         """The generation-only params to decode with; None: decode it whole (prefill role lost); False: done."""

@@ -15,10 +15,12 @@ import ray
 from ray import serve
 
 from cluster.directory import PERIOD_S, Directory
+from cluster.routing_policy import replica_state
 from decode.worker import DecodeWorker
 from encoder.worker import EncoderWorker
 from engine.encoder import EncoderConfig
 from engine.engine import EngineConfig
+from engine.worker import EngineWorker
 from postproc.pipes import PipeAddr
 from prefill.worker import PrefillWorker
 
@@ -44,7 +46,7 @@ class Membership:
         self.replica_id = replica.unique_id
         self._met: dict[str, str | None] = {}  # peer engine name -> None (met) or why it was refused
         self._counter = 0
-        self._card, self._stats = worker.card(), {}
+        self._card, self._stats, self._routing = worker.card(), {}, None
         self._stop = threading.Event()
         self.tend()  # before serving: known peers met, this replica visible
         self.beat()
@@ -62,12 +64,15 @@ class Membership:
         self._follow_postprocs()
         refused = sum(1 for why in self._met.values() if why)
         self._stats = dict(self.worker.stats(), peers_met=len(self._met) - refused, peers_refused=refused)
+        if isinstance(self.worker, EngineWorker):  # an encoder holds no prefix cache to route by
+            self._routing = replica_state(self.role, *self.worker.cache_snapshot()).to_json()
 
     def beat(self) -> None:
         """Publish the entry (the counter moves; stats are the latest tend's)."""
         self._counter += 1
         met = tuple(name for name, why in self._met.items() if why is None)
-        self.directory.publish(self.role, self.replica_id, self._card, self._stats, self._counter, met)
+        self.directory.publish(self.role, self.replica_id, self._card, self._stats, self._counter, met,
+                               self._routing)
 
     def _meet_new(self) -> None:
         for entry in self.directory.entries(self.meets):
@@ -108,11 +113,21 @@ class Membership:
             pass
 
 
+def routing_stats(worker: EngineWorker, role: str) -> dict:
+    """What the replica tells Serve's request routers (cluster/request_router.py): its queued tokens, and its load
+    and prefix-cache summary (cluster/routing_policy.py)."""
+    keys, load = worker.cache_snapshot()
+    return {"queued_tokens": load["queued_tokens"], **replica_state(role, keys, load).to_stats()}
+
+
 class PrefillReplica(PrefillWorker):
     def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
         postprocs = list(postprocs or [])
         super().__init__(model_dir, config, postproc_addrs(postprocs))
         self._membership = Membership(self, "prefill", None, postprocs)
+
+    def record_routing_stats(self) -> dict:
+        return routing_stats(self, "prefill")
 
     def __del__(self):
         if hasattr(self, "_membership"):
@@ -124,6 +139,9 @@ class DecodeReplica(DecodeWorker):
         postprocs = list(postprocs or [])
         super().__init__(model_dir, config, postproc_addrs(postprocs))
         self._membership = Membership(self, "decode", "prefill", postprocs)
+
+    def record_routing_stats(self) -> dict:
+        return routing_stats(self, "decode")
 
     def __del__(self):
         if hasattr(self, "_membership"):

@@ -4,7 +4,11 @@ stream cancels its call (the replica then aborts the request in its engine)."""
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from typing import AsyncIterator
+
+from ray.serve import context as serve_context
 
 from decode.worker import PostprocRoute
 from llmapi.disaggregated_params import DisaggregatedParams
@@ -21,7 +25,7 @@ class ServeRoles:
     async def encode(self, result: RequestOutput, images: tuple) -> DisaggregatedParams:
         if self._encoder is None:
             raise ValueError("this deployment has no encoder role: the model has no vision tower")
-        return await self._encoder.encode.remote(list(images))
+        return await _remote(self._encoder.encode, list(images))
 
     def prefill(self, request_id: int, result: RequestOutput, images: DisaggregatedParams | None = None
                 ) -> AsyncIterator:
@@ -41,7 +45,7 @@ class ServeRoles:
 
     async def _stream(self, role: str, method: str, *args) -> AsyncIterator:
         # The request router reads the prompt's token ids from args[1] (cluster/request_router.py).
-        response = getattr(self._handles[role].options(stream=True), method).remote(*args)
+        response = _remote(getattr(self._handles[role].options(stream=True), method), *args)
         done = False
         try:
             async for item in response:
@@ -50,3 +54,17 @@ class ServeRoles:
         finally:
             if not done:
                 response.cancel()
+
+
+def _remote(method, *args):
+    """method.remote(*args) under a Serve internal request id of its own. A call made while the ingress serves an
+    HTTP request inherits that request's id, and our request routers (cluster/request_router.py) have Serve hand the
+    replica they chose to the pending call with the same id: two calls in flight at once under one id (the prompts of
+    a batch) would leave one of them never routed."""
+    ctx = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(ctx, _internal_request_id=str(uuid.uuid4())))
+    try:
+        return method.remote(*args)
+    finally:
+        serve_context._serve_request_context.reset(token)

@@ -42,6 +42,11 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._block_of)
 
+    def cached_keys(self) -> bytes:
+        """Every key the prefix cache holds, 16 bytes each, concatenated: what a router summarises to send
+        prompts where their prefix is. Read-only; a copy, so it may go stale but never changes under the reader."""
+        return b"".join(self._block_of)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -11,6 +11,7 @@ import torch
 from engine.engine import EngineConfig, LLMEngine, nixl_connector
 from engine.image_inputs import ImageInputs, PreparedPrompt
 from engine.kv_connector import EngineCard
+from engine.latency import LatencyWindow
 from engine.loop import EngineLoop
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse, Resume
@@ -27,7 +28,8 @@ class EngineWorker:
             torch.set_num_threads(config.num_threads)
         self._streams: dict[int, asyncio.Queue] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self.loop = EngineLoop(LLMEngine(model_dir, config, nixl_connector(config)), self._deliver, self._fail_all)
+        self._latency = LatencyWindow()  # engine thread only
+        self.loop = EngineLoop(LLMEngine(model_dir, config, nixl_connector(config)), self._on_step, self._fail_all)
         dtype = str(self.loop.engine.model.dtype).removeprefix("torch.")
         self.images = ImageInputs(model_dir, dtype, config.device, config.cluster_key, config.kv_transfer_timeout_s)
 
@@ -49,6 +51,21 @@ class EngineWorker:
     def record_routing_stats(self) -> dict[str, int]:
         """Serve asks each replica for this periodically; its request router sends work to the least queued."""
         return {"queued_tokens": self.loop.call(lambda e: e.queued_tokens())}
+
+    def cache_snapshot(self) -> tuple[bytes, dict[str, int]]:
+        """The prefix cache's keys (BlockManager.cached_keys) and the load a router weighs, read in one engine call."""
+        return self.loop.call(lambda e: (e.block_manager.cached_keys(), _load(e)))
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaler asks each replica for this; each role's policy weighs its own signals
+        (cluster/autoscaling.py): prefill its queued prompt tokens and TTFT, decode its running sequences, KV use
+        and TPOT."""
+        def read(e: LLMEngine) -> dict[str, float]:
+            load, (ttft_ms, tpot_ms) = _load(e), self._latency.means_ms()
+            return {"queued_prompt_tokens": load["uncomputed_tokens"], "ttft_ms": ttft_ms,
+                    "running_seqs": load["num_running"], "tpot_ms": tpot_ms,
+                    "kv_usage": load["kv_blocks_in_use"] / e.block_manager.num_blocks}
+        return self.loop.call(read)
 
     def check_health(self) -> None:
         """Raises if the engine loop has died (Serve then replaces the replica)."""
@@ -83,6 +100,7 @@ class EngineWorker:
         def add(e: LLMEngine) -> None:
             e.add_request(request_id, prepared.token_ids, params, disaggregated_params, echo_first_tokens,
                           mm_items=prepared.mm_items, mm_embeddings=prepared.mm_embeddings, resume=resume)
+            self._latency.accept(request_id)
             if on_accept is not None:
                 on_accept(e)
         finished = False
@@ -98,6 +116,7 @@ class EngineWorker:
             self._streams.pop(request_id, None)
             if not finished:  # the consumer went away (or failed): free the request's blocks
                 self.abort(request_id)
+                self.loop.post(lambda e: self._latency.forget(request_id))
 
     async def _prepare(self, ids: list[int], params: DisaggregatedParams | None) -> PreparedPrompt:
         """The prompt as the engine takes it: a generation-only one as is (its images come with the KV handle);
@@ -110,6 +129,10 @@ class EngineWorker:
         return self.images.text(ids)
 
     # ---- on the engine thread ----
+    def _on_step(self, responses: list[EngineResponse]) -> None:
+        self._latency.observe(responses)
+        self._deliver(responses)
+
     def _deliver(self, responses: list[EngineResponse]) -> None:
         for rsp in responses:
             stream = self._streams.get(rsp.request_id)
@@ -125,3 +148,12 @@ class EngineWorker:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in list(self._streams.values()):
             self._aloop.call_soon_threadsafe(stream.put_nowait, RuntimeError(f"the engine failed: {exc!r}"))
+
+
+def _load(e: LLMEngine) -> dict[str, int]:
+    """Work the engine holds, in the units routers and autoscalers weigh."""
+    bm, live = e.block_manager, [s for r in e.requests.values() for s in r.seqs if not s.finished]
+    return {"queued_tokens": e.queued_tokens(),
+            "uncomputed_tokens": sum(s.num_tokens - s.num_computed_tokens for s in live),
+            "kv_blocks_in_use": bm.num_blocks - bm.num_free_blocks, "block_size": bm.block_size,
+            "num_running": len(e.scheduler.running)}

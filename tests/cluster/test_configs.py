@@ -78,7 +78,15 @@ def test_multinode_config_places_roles_and_autoscales_decode(workdir):
     ({"engine": {"num_blocks": 64, "kv_cache_bytes": "1GiB"}}, "engine: give either `num_blocks` or"),
     ({"engine": {"kv_cache_bytes": "12 parsecs"}}, "engine.kv_cache_bytes: could not interpret byte unit"),
     ({"engine": {"kv_lease_s": 0}}, "engine.kv_lease_s: Input should be greater than or equal to 1"),
-    ({"router": {"policy": "random"}}, "router.policy: Input should be 'least_queued_tokens' or 'power_of_two_choices'"),
+    ({"router": {"policy": "random"}}, "router.policy: Input should be 'least_queued_tokens', 'power_of_two_choices' "
+                                       "or 'prefix_aware'"),
+    ({"router": {"max_local_prefill_tokens": -1}}, "router.max_local_prefill_tokens: Input should be greater"),
+    ({"decode": {"autoscaling": {"max_replicas": 3, "slo": {"ttft_ms": 200}}}},
+     "decode: autoscaling.slo: ttft_ms is not what decode is responsible for; its signals are "
+     "running_seqs, kv_usage, tpot_ms"),
+    ({"prefill": {"autoscaling": {"max_replicas": 3, "slo": {}}}}, "prefill.autoscaling: slo: give at least one"),
+    ({"ingress": {"autoscaling": {"max_replicas": 3, "slo": {"tpot_ms": 9}}}}, "it scales on ongoing requests only"),
+    ({"decode": {"autoscaling": {"max_replicas": 3, "slo": {"kv_usage": 1.5}}}}, "decode.autoscaling.slo.kv_usage:"),
     ({"http": {"api_key_env": "RAYPD_TEST_UNSET_VARIABLE"}}, "http.api_key_env: environment variable"),
     ({"http": {"api_key": "a", "api_key_env": "RAYPD_API_KEY"}}, "http: give either `api_key` or `api_key_env`"),
     ({"dtype": "int4"}, "dtype: Input should be"),
@@ -182,22 +190,3 @@ def test_onprem_workers_start_with_their_role_resource(ips, gpus, expected):
     args = out.splitlines()
     assert "--address=10.0.0.10:6379" in args
     assert json.loads(next(a for a in args if a.startswith("--resources=")).split("=", 1)[1]) == expected
-
-
-def test_least_queued_tokens_router_ranks_by_reported_and_sent_tokens():
-    import asyncio
-    from types import SimpleNamespace
-
-    from cluster.request_router import LeastQueuedTokensRouter
-
-    router = LeastQueuedTokensRouter.__new__(LeastQueuedTokensRouter)  # the ranking needs none of Serve's state
-    router.initialize_state()
-    busy = SimpleNamespace(replica_id="a", routing_stats={"queued_tokens": 900})
-    idle = SimpleNamespace(replica_id="b", routing_stats={"queued_tokens": 100})
-    request = SimpleNamespace(args=(7, list(range(1000)), None))
-    ranked = asyncio.run(router.choose_replicas([busy, idle], request))
-    assert [r.replica_id for r in ranked[0]] == ["b", "a"]
-    # the 1000 prompt tokens just sent count against b until b reports again
-    assert [r.replica_id for r in asyncio.run(router.choose_replicas([busy, idle], request))[0]] == ["a", "b"]
-    idle.routing_stats = {"queued_tokens": 50}
-    assert [r.replica_id for r in asyncio.run(router.choose_replicas([busy, idle], None))[0]] == ["b", "a"]

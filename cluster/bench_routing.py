@@ -1,0 +1,128 @@
+"""Routing policies side by side on the multi-turn chat workload: `python -m cluster.bench_routing`.
+
+The YAML's deployment with 2 prefill replicas and 1 decode replica is started fresh for each policy (empty caches),
+warmed up with other prompts, then sent the same seeded chat workload (`raypd bench --workload chat`). Per policy:
+the prefill role's prefix-cache hit rate over the run (its hit / looked-up prompt tokens, summed over both replicas
+from the replica directory), the share of prompt tokens the responses report cached (any role), TTFT and TPOT p50 /
+p90. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from cluster.bench import BenchConfig, BenchResult
+from cluster.config import RaypdConfig, RouterPolicy, load_config
+from cluster.plan_check import _free_port
+
+POLICIES = ("least_queued_tokens", "power_of_two_choices", "prefix_aware")
+_SETTLE_S = 1.2  # > the directory's refresh period
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRun:
+    name: str
+    prefill_hit_rate: float
+    result: BenchResult
+
+
+def deployment(config: RaypdConfig, policy: str, max_local_prefill_tokens: int, kv_cache_bytes: int | None):
+    one = {"replicas": 1, "autoscaling": None}
+    engine = config.engine if kv_cache_bytes is None else config.engine.model_copy(
+        update={"kv_cache_bytes": kv_cache_bytes, "num_blocks": None})
+    return config.model_copy(update={
+        "mode": "disaggregated", "engine": engine,
+        "prefill": config.prefill.model_copy(update={**one, "replicas": 2}),
+        "decode": config.decode.model_copy(update=one),
+        "router": config.router.model_copy(update={"policy": RouterPolicy(policy),
+                                                   "max_local_prefill_tokens": max_local_prefill_tokens})})
+
+
+def _prefill_totals(directory) -> tuple[float, float]:
+    """(hit, query) prompt tokens of the prefill role, once the directory has stopped moving."""
+    last = None
+    while True:
+        totals = directory.totals("prefill")
+        now = (totals.get("prefix_cache_hit_tokens", 0.0), totals.get("prefix_cache_query_tokens", 0.0))
+        if now == last and totals.get("replicas") == 2:
+            return now
+        last = now
+        time.sleep(_SETTLE_S)
+
+
+def run(config: RaypdConfig, bench: BenchConfig, runs: list[tuple[str, str, int]],
+        kv_cache_bytes: int | None) -> list[PolicyRun]:
+    import ray
+    from ray import serve
+
+    from cluster.app import POSTPROC_NAMESPACE, build_from_config
+    from cluster.bench import run_benchmark
+    from cluster.directory import Directory
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    ray.init(include_dashboard=False, namespace=POSTPROC_NAMESPACE, log_to_driver=False)
+    out = []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for name, policy, local in runs:
+            serve.run(build_from_config(deployment(config, policy, local, kv_cache_bytes)), name="raypd",
+                      route_prefix="/")
+            warm = dataclasses.replace(bench, base_url=url, workload="random", num_requests=6, concurrency=1,
+                                       seed=bench.seed + 1000, input_len=32)
+            run_benchmark(warm)
+            directory = Directory("raypd")
+            hit0, query0 = _prefill_totals(directory)
+            result = run_benchmark(dataclasses.replace(bench, base_url=url))
+            hit1, query1 = _prefill_totals(directory)
+            out.append(PolicyRun(name, (hit1 - hit0) / max(1.0, query1 - query0), result))
+            print(f"{name}: done ({result.failed} failed)", flush=True)
+            serve.delete("raypd")  # the next policy starts from empty caches
+        return out
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def format_runs(runs: list[PolicyRun]) -> str:
+    lines = ["| policy | prefill cache hit rate | prompt tokens cached (all roles) | TTFT p50 | TTFT p90 | TPOT p50 | "
+             "failed |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        ttft, tpot = r.result.latency_ms("ttft"), r.result.latency_ms("tpot")
+        lines.append(f"| {r.name} | {r.prefill_hit_rate:.1%} | {r.result.cache_hit_rate or 0:.1%} | "
+                     f"{ttft.p50:.1f} ms | {ttft.p90:.1f} ms | {tpot.p50:.2f} ms | {r.result.failed} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cluster.bench_routing", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/local.yaml")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="each engine's KV pool (default: the YAML's)")
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-len", type=int, default=64, help="words of the shared system prompt")
+    parser.add_argument("--input-len", type=int, default=48, help="words per user message")
+    parser.add_argument("--output-len", type=int, default=48, help="tokens per reply")
+    parser.add_argument("--request-rate", type=float, default=4.0, help="conversations starting per second")
+    parser.add_argument("--local-below", type=int, default=64, help="also run prefix_aware with this "
+                                                                    "router.max_local_prefill_tokens (0: skip)")
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    bench = BenchConfig("", config.model_name, num_requests=args.conversations * args.turns,
+                        request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
+                        workload="chat", num_turns=args.turns, system_len=args.system_len, request_timeout_s=120)
+    runs = [(policy, policy, 0) for policy in POLICIES]
+    if args.local_below:
+        runs.append((f"prefix_aware + local prefill under {args.local_below} tokens", "prefix_aware",
+                     args.local_below))
+    results = run(config, bench, runs, args.kv_cache_bytes)
+    print(f"\n{args.conversations} conversations x {args.turns} turns, system prompt {args.system_len} words, user "
+          f"messages {args.input_len} words, replies {args.output_len} tokens, {args.request_rate:g} conversations/s; "
+          f"2 prefill + 1 decode replicas, KV pool {args.kv_cache_bytes or config.engine.kv_cache_bytes} bytes each\n")
+    print(format_runs(results))
+
+
+if __name__ == "__main__":
+    main()
