@@ -198,3 +198,22 @@ def test_a_grammar_without_a_tokenizer_is_refused_by_name(tmp_path, tiny_llama):
         engine.add_request(0, [5, 6], SamplingParams(guided_decoding=GuidedDecodingParams(json_object=True)))
     engine.add_request(1, [5, 6], SamplingParams(max_tokens=2))  # the engine still serves
     assert run(engine, {0: []})[1][0][0]
+
+
+def test_unseeded_rows_drawn_together_follow_each_rows_distribution():
+    """Unseeded rows without top-k/top-p/min-p are drawn in one batched race; each row keeps its own temperature."""
+    from engine.sampler import Sampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)  # (3, vocab 4)
+    params = [SamplingParams(temperature=1.0, max_tokens=1), SamplingParams(temperature=0.5, max_tokens=1),
+              SamplingParams(temperature=0.0, max_tokens=1)]
+    rows = [SampleRow(p, 0, 0) for p in params]
+    sampler, draws = Sampler(seed=0), 4000
+    counts = torch.zeros(3, 4)
+    for _ in range(draws):
+        for r, sample in enumerate(sampler(logits, rows)):
+            counts[r, sample.token_id] += 1
+    for r, temp in enumerate((1.0, 0.5)):
+        expected = torch.softmax(logits[r] / temp, dim=-1)
+        assert torch.allclose(counts[r] / draws, expected, atol=0.03), (r, counts[r] / draws, expected)
+    assert counts[2, 0] == draws  # the greedy row is not drawn
