@@ -18,6 +18,7 @@ import openai
 import yaml
 
 from engine.tiny import build_tiny_llava
+from tests.cluster.procs import processes_in
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
@@ -35,16 +36,6 @@ def _healthy(base: str) -> bool:
     except httpx.HTTPError:
         return False
 
-
-def _processes_in(directory: pathlib.Path) -> list[int]:
-    pids = []
-    for proc in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            if pathlib.Path(os.readlink(proc / "cwd")) == directory:
-                pids.append(int(proc.name))
-        except OSError:
-            pass
-    return pids
 
 
 def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
@@ -103,9 +94,9 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
         out = log_path.read_text()
         assert "raypd: stopped" in out and "Traceback" not in out, out[-3000:]
         time.sleep(2.0)
-        assert not _processes_in(work), "processes left running after raypd serve exited"
+        assert not processes_in(work), "processes left running after raypd serve exited"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        for pid in _processes_in(work):
+        for pid in processes_in(work):
             os.kill(pid, signal.SIGKILL)

@@ -24,6 +24,7 @@ from ray.util import state
 
 from engine.tiny import build_tiny_llava
 from llmapi import LLM, SamplingParams
+from tests.cluster.procs import processes_in
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SERVE_CONFIG = REPO / "configs" / "serve.yaml"
@@ -40,17 +41,6 @@ def _port_free(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
-
-def _processes_in(directory: pathlib.Path) -> list[int]:
-    """Processes whose working directory is `directory`: serve run, and every Ray process it started."""
-    pids = []
-    for proc in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            if pathlib.Path(os.readlink(proc / "cwd")) == directory:
-                pids.append(int(proc.name))
-        except OSError:
-            pass
-    return pids
 
 
 def _stop(proc: subprocess.Popen, workdir: pathlib.Path, timeout: float = 60.0) -> None:
@@ -90,7 +80,7 @@ def served(tmp_path_factory):
         yield {"base": base, "proc": proc, "work": work, "env": env}
     finally:
         _stop(proc, work)
-        for pid in _processes_in(work):  # anything serve run failed to stop: the test below reports it
+        for pid in processes_in(work):  # anything serve run failed to stop: the test below reports it
             os.kill(pid, signal.SIGKILL)
 
 
@@ -182,7 +172,7 @@ def test_ctrl_c_stops_everything_serve_run_started(served):
     _stop(served["proc"], served["work"])
     assert served["proc"].returncode == 0
     deadline = time.monotonic() + 30
-    while _processes_in(served["work"]) and time.monotonic() < deadline:
+    while processes_in(served["work"]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _processes_in(served["work"]) == []
+    assert processes_in(served["work"]) == []
     assert _port_free(int(served["base"].rsplit(":", 1)[1]))
