@@ -46,7 +46,9 @@ class Membership:
         self.replica_id = replica.unique_id
         self._met: dict[str, str | None] = {}  # peer engine name -> None (met) or why it was refused
         self._counter = 0
-        self._card, self._stats, self._routing = worker.card(), {}, None
+        # What tend() last found, published by beat(): replaced whole, never mutated, so the two threads share it
+        # safely (tend mutates _met; beat must not iterate it).
+        self._card, self._stats, self._routing, self._peers = worker.card(), {}, None, ()
         self._stop = threading.Event()
         self.tend()  # before serving: known peers met, this replica visible
         self.beat()
@@ -62,16 +64,16 @@ class Membership:
         if self.meets is not None:
             self._meet_new()
         self._follow_postprocs()
-        refused = sum(1 for why in self._met.values() if why)
-        self._stats = dict(self.worker.stats(), peers_met=len(self._met) - refused, peers_refused=refused)
+        self._peers = tuple(name for name, why in self._met.items() if why is None)
+        met = len(self._peers)
+        self._stats = dict(self.worker.stats(), peers_met=met, peers_refused=len(self._met) - met)
         if isinstance(self.worker, EngineWorker):  # an encoder holds no prefix cache to route by
             self._routing = replica_state(self.role, *self.worker.cache_snapshot()).to_json()
 
     def beat(self) -> None:
         """Publish the entry (the counter moves; stats are the latest tend's)."""
         self._counter += 1
-        met = tuple(name for name, why in self._met.items() if why is None)
-        self.directory.publish(self.role, self.replica_id, self._card, self._stats, self._counter, met,
+        self.directory.publish(self.role, self.replica_id, self._card, self._stats, self._counter, self._peers,
                                self._routing)
 
     def _meet_new(self) -> None:
