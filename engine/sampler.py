@@ -54,8 +54,9 @@ class Sampler:
         plain = [i for i, r in enumerate(rows) if _plain(r.params)]
         if plain:
             tokens[plain] = self._draw_plain(masked[plain], [temps[i] for i in plain])
+        drawn = set(plain)
         for i, row in enumerate(rows):
-            if not row.params.greedy and not _plain(row.params):
+            if not row.params.greedy and i not in drawn:
                 tokens[i] = self._draw(masked[i] / row.params.temperature, row)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()  # one op for every row's logprob
         out = []
