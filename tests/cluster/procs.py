@@ -1,9 +1,14 @@
-"""Finding what a command left running: every process whose working directory is the one it ran in."""
+"""CLI servers in tests: waiting until one is healthy, and finding what it left running (every process whose
+working directory is the one it ran in)."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
+import time
+
+import httpx
 
 
 def processes_in(directory: pathlib.Path) -> list[int]:
@@ -16,3 +21,19 @@ def processes_in(directory: pathlib.Path) -> list[int]:
         except OSError:
             pass
     return pids
+
+
+def healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, log_path: pathlib.Path, timeout_s: float) -> None:
+    """Until `base`/health answers 200; fails with the log's tail if the command exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not healthy(base):
+        assert proc.poll() is None, f"{proc.args[0]} exited: {log_path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"not healthy in time: {log_path.read_text()[-3000:]}"
+        time.sleep(1.0)

@@ -18,7 +18,7 @@ import openai
 import yaml
 
 from engine.tiny import build_tiny_llava
-from tests.cluster.procs import processes_in
+from tests.cluster.procs import processes_in, wait_healthy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
@@ -29,12 +29,6 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def _healthy(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 
@@ -55,11 +49,7 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
                                 stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(base):
-            assert proc.poll() is None, f"raypd serve exited: {log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"not healthy in time: {log_path.read_text()[-3000:]}"
-            time.sleep(1.0)
+        wait_healthy(base, proc, log_path, START_TIMEOUT_S)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
         got: dict = {"text": "", "reason": None, "chunks": 0}
 

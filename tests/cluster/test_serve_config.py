@@ -24,7 +24,7 @@ from ray.util import state
 
 from engine.tiny import build_tiny_llava
 from llmapi import LLM, SamplingParams
-from tests.cluster.procs import processes_in
+from tests.cluster.procs import processes_in, wait_healthy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SERVE_CONFIG = REPO / "configs" / "serve.yaml"
@@ -72,23 +72,13 @@ def served(tmp_path_factory):
                             stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(base):
-            assert proc.poll() is None, f"serve run exited: {(work / 'serve-run.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"not healthy in time: {(work / 'serve-run.log').read_text()[-3000:]}"
-            time.sleep(1.0)
+        wait_healthy(base, proc, work / "serve-run.log", START_TIMEOUT_S)
         yield {"base": base, "proc": proc, "work": work, "env": env}
     finally:
         _stop(proc, work)
         for pid in processes_in(work):  # anything serve run failed to stop: the test below reports it
             os.kill(pid, signal.SIGKILL)
 
-
-def _healthy(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture(scope="module")
