@@ -68,8 +68,7 @@ class Sampler:
     def _draw_plain(self, scores: torch.Tensor, temps: list[float]) -> torch.Tensor:
         """One batched draw for unseeded rows with no top-k, top-p or min-p cut. scores: (P, vocab) -> (P,)."""
         probs = torch.softmax(scores / torch.tensor(temps)[:, None], dim=-1)  # (P, vocab)
-        noise = torch.empty_like(probs).exponential_(generator=self._generator)  # the same race as _draw, batched
-        return (probs / noise).argmax(dim=-1)
+        return draw(probs, torch.rand(len(temps), 1, generator=self._generator, dtype=torch.float64))
 
     def _draw(self, scores: torch.Tensor, row: SampleRow) -> int:
         scores = apply_top_k_top_p(scores, row.params.top_k, row.params.top_p)
@@ -77,9 +76,18 @@ class Sampler:
             scores = apply_min_p(scores, row.params.min_p)
         probs = torch.softmax(scores, dim=-1)
         gen = self._generator if row.params.seed is None else _row_generator(row)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p.
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        return int((probs / noise).argmax())
+        return int(draw(probs[None], torch.rand(1, 1, generator=gen, dtype=torch.float64))[0])
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: the token whose cumulative probability first exceeds u * total, for each row.
+    probs: (R, vocab), u: (R, 1) float64 uniforms in [0, 1) -> (R,). One uniform per row (an exponential race
+    draws one number per vocabulary entry: ~1 ms a step at 16 rows x 4096 on this CPU, a fifth of the step)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (R, vocab); float64: no drift over a large vocabulary
+    # right=True: the first index whose cdf exceeds the target; a token without probability never is one
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)  # (R,)
+    empty = probs.gather(1, tokens[:, None])[:, 0] == 0  # the target rounded up to the total (vanishingly rare)
+    return torch.where(empty, probs.argmax(dim=-1), tokens) if bool(empty.any()) else tokens
 
 
 def _plain(params: SamplingParams) -> bool:

@@ -71,7 +71,7 @@ def openai_penalties(frequency: float, presence: float):
 
 def reference_run(hf, prompt, params: SamplingParams, index: int = 0) -> list[int]:
     """transformers' forward and logits processors (repetition, temperature, top-k, top-p, min-p), the OpenAI
-    penalties' reference, and the engine's seeded exponential race, step by step over the whole sequence."""
+    penalties' reference, and a seeded inverse-CDF draw (one uniform from the row's generator), step by step over the whole sequence."""
     warpers = LogitsProcessorList()
     if params.repetition_penalty != 1:
         warpers.append(RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty)))
@@ -90,7 +90,9 @@ def reference_run(hf, prompt, params: SamplingParams, index: int = 0) -> list[in
         scores = penalties(ids[0], warpers(ids, logits)[0], len(prompt))[None]
         probs = torch.softmax(sampling(ids, scores)[0], dim=-1)
         gen = _row_generator(SampleRow(params, index, ids.shape[1]))
-        token = int((probs / torch.empty_like(probs).exponential_(generator=gen)).argmax())
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        target = torch.rand(1, generator=gen, dtype=torch.float64) * cdf[-1]
+        token = int((cdf <= target).sum())  # the first token whose cumulative probability exceeds the target
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     return ids[0, len(prompt):].tolist()
 
@@ -201,19 +203,21 @@ def test_a_grammar_without_a_tokenizer_is_refused_by_name(tmp_path, tiny_llama):
 
 
 def test_unseeded_rows_drawn_together_follow_each_rows_distribution():
-    """Unseeded rows without top-k/top-p/min-p are drawn in one batched race; each row keeps its own temperature."""
+    """Unseeded rows without top-k/top-p/min-p are drawn together (inverse CDF); each row keeps its own temperature,
+    and a token without probability (masked by a logit bias or a grammar) is never drawn."""
     from engine.sampler import Sampler
 
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)  # (3, vocab 4)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]] * 3)  # (3, vocab 5): the last token is masked
     params = [SamplingParams(temperature=1.0, max_tokens=1), SamplingParams(temperature=0.5, max_tokens=1),
               SamplingParams(temperature=0.0, max_tokens=1)]
     rows = [SampleRow(p, 0, 0) for p in params]
     sampler, draws = Sampler(seed=0), 4000
-    counts = torch.zeros(3, 4)
+    counts = torch.zeros(3, 5)
     for _ in range(draws):
         for r, sample in enumerate(sampler(logits, rows)):
             counts[r, sample.token_id] += 1
     for r, temp in enumerate((1.0, 0.5)):
         expected = torch.softmax(logits[r] / temp, dim=-1)
         assert torch.allclose(counts[r] / draws, expected, atol=0.03), (r, counts[r] / draws, expected)
+    assert counts[:, 4].sum() == 0  # the masked token, never
     assert counts[2, 0] == draws  # the greedy row is not drawn
