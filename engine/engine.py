@@ -98,6 +98,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.output.has_pending
 
+    def has_kv_reads(self) -> bool:
+        """Whether reads of other engines' KV are in flight (their end starts decoding)."""
+        return bool(self.scheduler.waiting_for_kv)
+
     def has_runnable(self) -> bool:
         """Whether a step would compute something now (not only wait on KV reads or leases)."""
         return bool(self.scheduler.waiting or self.scheduler.running) or self.output.has_pending

@@ -15,9 +15,12 @@ from engine.engine import LLMEngine
 from llmapi.outputs import EngineResponse
 
 T = TypeVar("T")
-_IDLE_WAIT_S = 0.02  # how long an idle loop waits for work before stepping (KV leases and imports still advance)
-# With only KV reads or leases outstanding, the loop polls them this often instead of spinning (a spin would hold
-# the GIL from the threads that bring new work and send outputs).
+# How long the loop waits for new work (which ends the wait at once) before it steps again when there is nothing to
+# compute. Leases held for other engines' reads still advance at this pace: a release frees its blocks at most this
+# late, and blocks a new request needs are freed in that request's own step.
+_IDLE_WAIT_S = 0.02
+# With KV reads in flight the loop polls them this often instead of spinning (a spin would hold the GIL from the
+# threads that bring new work and send outputs): a finished read starts decoding within a millisecond.
 _POLL_WAIT_S = 0.001
 
 
@@ -83,7 +86,8 @@ class EngineLoop:
         """How long to wait for new work before the next step (new work ends the wait at once)."""
         if self.engine.has_runnable():
             return 0.0
-        return _POLL_WAIT_S if self.engine.has_unfinished_requests() else _IDLE_WAIT_S
+        # Leases alone need no fast poll: a prefill replica under load always holds some, and woke 1000 times a second.
+        return _POLL_WAIT_S if self.engine.has_kv_reads() else _IDLE_WAIT_S
 
     def _drain(self, wait_s: float) -> None:
         try:
