@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -37,7 +36,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 def build_from_config(config: RaypdConfig) -> serve.Application:
     key = cluster_key()
-    engine = dataclasses.replace(config.engine_config(), cluster_key=key)
     postprocs = start_postprocs(config)
     ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=_START_TIMEOUT_S)  # all started
     routing = router_config(config.router.policy.value)
@@ -54,8 +52,10 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     # arguments, and Serve adds or removes replicas without restarting the others.
     ingress_config = config.model_copy(update={role: Role() for role in ("prefill", "decode", "postproc", "ingress",
                                                                            "encoder")})
-    prefill_app = None if config.mode == "colocated" else prefill.bind(config.model, engine, postprocs)
-    return ingress.bind(ingress_config, prefill_app, decode.bind(config.model, engine, postprocs),
+    prefill_app = None if config.mode == "colocated" else prefill.bind(
+        config.model, config.engine_config(key, "prefill"), postprocs)
+    return ingress.bind(ingress_config, prefill_app, decode.bind(config.model, config.engine_config(key, "decode"),
+                                                                 postprocs),
                         config.http.api_key_value(), postprocs, encoder_app(config, key))
 
 

@@ -3,10 +3,13 @@ disaggregated deployment (`make serve`) and `mode: colocated`, one system at a t
 
     python -m cluster.bench_peers [--config configs/local.yaml] [--concurrency 1,16] [--num-requests 32]
                                   [--input-len 256] [--output-len 128] [--vllm-python .venv-vllm/bin/python]
-                                  [--systems vllm,disaggregated,colocated] [--plot FILE.png] [--json FILE]
+                                  [--systems vllm,disaggregated,colocated] [--dtype bfloat16]
+                                  [--plot FILE.png] [--json FILE]
 
 The client is `raypd bench`'s (cluster.bench), the same seeded prompts for every system; results print side by side
-(TTFT / TPOT / ITL / E2E percentiles, throughput). vLLM is stopped before raypd's Ray starts. `make bench-peers`
+(TTFT / TPOT / ITL / E2E percentiles, throughput). vLLM is stopped before raypd's Ray starts. Without --dtype each
+system keeps its own default, and they differ: vLLM serves a fp32 checkpoint in bf16 on CPU, raypd's `dtype: auto`
+keeps fp32. --dtype runs both in that dtype (like against like). `make bench-peers`
 creates vLLM's venv (see ../shared/BENCH.md for what it needs on this machine).
 """
 
@@ -51,8 +54,8 @@ def wait_ready(base_url: str, proc: subprocess.Popen | None, deadline_s: float) 
 
 
 @contextlib.contextmanager
-def vllm_server(config: RaypdConfig, vllm_python: str, log_path: pathlib.Path):
-    """`vllm serve` on the same checkpoint, its defaults otherwise; yields its API root."""
+def vllm_server(config: RaypdConfig, vllm_python: str, log_path: pathlib.Path, dtype: str | None = None):
+    """`vllm serve` on the same checkpoint, its defaults otherwise (dtype too unless given); yields its API root."""
     vllm = pathlib.Path(vllm_python).absolute().parent / "vllm"
     if not vllm.exists():
         raise SystemExit(f"no {vllm}: `make bench-peers` creates vLLM's venv")
@@ -61,7 +64,7 @@ def vllm_server(config: RaypdConfig, vllm_python: str, log_path: pathlib.Path):
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env["VLLM_TARGET_DEVICE"] = "cpu"
     cmd = [str(vllm), "serve", config.model, "--served-model-name", config.model_name, "--port", str(port),
-           "--max-model-len", "2048", "--enforce-eager"]
+           "--max-model-len", "2048", "--enforce-eager"] + (["--dtype", dtype] if dtype else [])
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
@@ -132,6 +135,8 @@ def run(args) -> dict[str, BenchResult]:
     config = load_config(args.config)
     if args.model:
         config = config.model_copy(update={"model": args.model, "served_model_name": None})
+    if args.dtype:
+        config = config.model_copy(update={"dtype": args.dtype})
     bench = BenchConfig(base_url="", model=config.model_name, num_requests=args.num_requests,
                         input_len=args.input_len, output_len=args.output_len, num_warmups=2)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -140,7 +145,7 @@ def run(args) -> dict[str, BenchResult]:
     if "vllm" in systems:
         log = pathlib.Path(tempfile.gettempdir()) / "raypd-bench-vllm-serve.log"
         print(f"vllm serve (log: {log})", flush=True)
-        with vllm_server(config, args.vllm_python, log) as base:
+        with vllm_server(config, args.vllm_python, log, args.dtype) as base:
             measure("vllm serve", base, bench, concurrencies, None, results)
     modes = [m for m in ("disaggregated", "colocated") if m in systems]
     if modes:
@@ -163,6 +168,8 @@ def main(argv=None) -> None:
     parser.add_argument("--input-len", type=int, default=256, help="prompt words (~ tokens)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--systems", default="vllm,disaggregated,colocated")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="serve both systems in this dtype (default: each its own default)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument("--plot", default=None, help="write latency CDFs here (PNG)")
     parser.add_argument("--json", default=None, help="write every measurement here")

@@ -28,13 +28,15 @@ class PolicyRun:
     result: BenchResult
 
 
-def deployment(config: RaypdConfig, policy: str, max_local_prefill_tokens: int, kv_cache_bytes: int | None):
+def deployment(config: RaypdConfig, policy: str, max_local_prefill_tokens: int, kv_cache_bytes: int | None,
+               prefill_kv_cache_bytes: int | None = None):
     one = {"replicas": 1, "autoscaling": None}
     engine = config.engine if kv_cache_bytes is None else config.engine.model_copy(
         update={"kv_cache_bytes": kv_cache_bytes, "num_blocks": None})
+    prefill_pool = {} if prefill_kv_cache_bytes is None else {"kv_cache_bytes": prefill_kv_cache_bytes}
     return config.model_copy(update={
         "mode": "disaggregated", "engine": engine,
-        "prefill": config.prefill.model_copy(update={**one, "replicas": 2}),
+        "prefill": config.prefill.model_copy(update={**one, "replicas": 2, **prefill_pool}),
         "decode": config.decode.model_copy(update=one),
         "router": config.router.model_copy(update={"policy": RouterPolicy(policy),
                                                    "max_local_prefill_tokens": max_local_prefill_tokens})})
@@ -53,7 +55,7 @@ def _prefill_totals(directory) -> tuple[float, float]:
 
 
 def run(config: RaypdConfig, bench: BenchConfig, runs: list[tuple[str, str, int]],
-        kv_cache_bytes: int | None) -> list[PolicyRun]:
+        kv_cache_bytes: int | None, prefill_kv_cache_bytes: int | None = None) -> list[PolicyRun]:
     import ray
     from ray import serve
 
@@ -68,8 +70,8 @@ def run(config: RaypdConfig, bench: BenchConfig, runs: list[tuple[str, str, int]
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name, policy, local in runs:
-            serve.run(build_from_config(deployment(config, policy, local, kv_cache_bytes)), name="raypd",
-                      route_prefix="/")
+            serve.run(build_from_config(deployment(config, policy, local, kv_cache_bytes, prefill_kv_cache_bytes)),
+                      name="raypd", route_prefix="/")
             warm = dataclasses.replace(bench, base_url=url, workload="random", num_requests=6, concurrency=1,
                                        seed=bench.seed + 1000, input_len=32)
             run_benchmark(warm)
@@ -100,6 +102,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m cluster.bench_routing", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/local.yaml")
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="each engine's KV pool (default: the YAML's)")
+    parser.add_argument("--prefill-kv-cache-bytes", type=int, default=None,
+                        help="each prefill replica's KV pool, its prefix cache (default: the engines')")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-len", type=int, default=64, help="words of the shared system prompt")
@@ -117,10 +121,11 @@ def main(argv=None) -> None:
     if args.local_below:
         runs.append((f"prefix_aware + local prefill under {args.local_below} tokens", "prefix_aware",
                      args.local_below))
-    results = run(config, bench, runs, args.kv_cache_bytes)
+    results = run(config, bench, runs, args.kv_cache_bytes, args.prefill_kv_cache_bytes)
     print(f"\n{args.conversations} conversations x {args.turns} turns, system prompt {args.system_len} words, user "
           f"messages {args.input_len} words, replies {args.output_len} tokens, {args.request_rate:g} conversations/s; "
-          f"2 prefill + 1 decode replicas, KV pool {args.kv_cache_bytes or config.engine.kv_cache_bytes} bytes each\n")
+          f"2 prefill + 1 decode replicas, KV pool {args.kv_cache_bytes or config.engine.kv_cache_bytes} bytes each"
+          f"{'' if args.prefill_kv_cache_bytes is None else f', prefill {args.prefill_kv_cache_bytes} bytes'}\n")
     print(format_runs(results))
 
 

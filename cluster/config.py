@@ -97,6 +97,9 @@ class Role(_Strict):
     max_ongoing_requests: int = Field(
         256, ge=1, description="Requests one replica accepts at once; more wait in Serve's queue. Serve's own default "
                                "(5) would starve continuous batching.")
+    kv_cache_bytes: ByteSize | None = Field(
+        None, description="prefill and decode only: this role's KV pool per replica, e.g. a prefill pool sized for "
+                          "its prefix cache and a decode pool for its running sequences; unset: engine's.")
 
     @field_validator("resources")
     @classmethod
@@ -112,6 +115,8 @@ class Role(_Strict):
     def _one_way_to_scale(self) -> Role:
         if self.replicas is not None and self.autoscaling is not None:
             raise ValueError("give either `replicas` or `autoscaling`, not both")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes: must be >= 1 byte")
         return self
 
     def deployment_options(self) -> dict[str, Any]:
@@ -322,6 +327,13 @@ class RaypdConfig(_Strict):
                              f"for; {own}")
         return value
 
+    @field_validator("postproc", "ingress", "encoder")
+    @classmethod
+    def _no_kv_pool(cls, value: Role, info: ValidationInfo) -> Role:
+        if value.kv_cache_bytes is not None:
+            raise ValueError(f"kv_cache_bytes: {info.field_name} has no KV pool (prefill and decode have)")
+        return value
+
     @field_validator("postproc")
     @classmethod
     def _postproc_fixed(cls, value: Role) -> Role:
@@ -354,14 +366,18 @@ class RaypdConfig(_Strict):
                              num_threads=e.num_threads, cache_bytes=int(m.encoder_cache_bytes),
                              lease_s=m.embedding_lease_s, cluster_key=cluster_key)
 
-    def engine_config(self, cluster_key: bytes | None = None) -> Any:
-        """The engine.engine.EngineConfig every prefill and decode engine of this deployment is built with."""
+    def engine_config(self, cluster_key: bytes | None = None, role: str | None = None) -> Any:
+        """The engine.engine.EngineConfig the engines of this deployment are built with; role ("prefill" or
+        "decode"): with that role's own KV pool when it sets one."""
         from engine.engine import EngineConfig  # imports torch: only where an engine is built, not for the CLI
 
         e = self.engine
         pool = {"num_blocks": e.num_blocks} if e.num_blocks else {}
         if e.kv_cache_bytes is not None:
             pool["kv_cache_bytes"] = int(e.kv_cache_bytes)
+        own = getattr(self, role).kv_cache_bytes if role else None
+        if own is not None:
+            pool = {"kv_cache_bytes": int(own)}
         return EngineConfig(block_size=e.block_size, max_num_batched_tokens=e.max_num_batched_tokens,
                             max_num_seqs=e.max_num_seqs, dtype=None if self.dtype == "auto" else self.dtype,
                             device=e.device, num_threads=e.num_threads, seed=e.seed,

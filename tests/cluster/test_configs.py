@@ -53,6 +53,16 @@ def test_local_config_is_the_single_node_default(workdir):
     assert config.decode.deployment_options()["num_replicas"] == 1
 
 
+def test_a_role_can_size_its_own_kv_pool(workdir):
+    path = workdir / "pools.yaml"
+    path.write_text(yaml.safe_dump({**_yaml(REPO / "configs" / "local.yaml"), "engine": {"num_blocks": 64},
+                                    "prefill": {"replicas": 1, "kv_cache_bytes": "32MiB"}}))
+    config = load_config(path)
+    prefill, decode = config.engine_config(role="prefill"), config.engine_config(role="decode")
+    assert (prefill.kv_cache_bytes, prefill.num_blocks) == (32 * 2**20, None)
+    assert decode.num_blocks == 64 and decode.kv_cache_bytes != 32 * 2**20  # the engine's pool
+
+
 def test_multinode_config_places_roles_and_autoscales_decode(workdir):
     config = load_config(REPO / "configs" / "multinode.yaml")
     prefill, decode = config.prefill.deployment_options(), config.decode.deployment_options()
@@ -90,6 +100,8 @@ def test_multinode_config_places_roles_and_autoscales_decode(workdir):
     ({"http": {"api_key_env": "RAYPD_TEST_UNSET_VARIABLE"}}, "http.api_key_env: environment variable"),
     ({"http": {"api_key": "a", "api_key_env": "RAYPD_API_KEY"}}, "http: give either `api_key` or `api_key_env`"),
     ({"dtype": "int4"}, "dtype: Input should be"),
+    ({"postproc": {"replicas": 2, "kv_cache_bytes": "1GiB"}}, "postproc: kv_cache_bytes: postproc has no KV pool"),
+    ({"prefill": {"kv_cache_bytes": 0}}, "prefill: kv_cache_bytes: must be >= 1 byte"),
 ])
 def test_a_bad_config_fails_naming_the_field(workdir, change, expected):
     path = workdir / "bad.yaml"
