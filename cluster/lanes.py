@@ -105,7 +105,12 @@ class _LoopHandoff:
             if self._scheduled:
                 return
             self._scheduled = True
-        self._loop.call_soon_threadsafe(self._deliver)
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed (the replica is going away): the next output tries again
+            with self._lock:
+                self._scheduled = False
+            raise
 
     def _deliver(self) -> None:
         """On the loop: every output that arrived, in order."""
