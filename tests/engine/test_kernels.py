@@ -131,11 +131,15 @@ def test_packed_linear_matches_f_linear(dtype):
     with torch.no_grad():
         layer.weight.copy_(torch.randn(80, 96, generator=gen))
         layer.bias.copy_(torch.randn(80, generator=gen))
-    x = torch.randn(13, 96, generator=gen).to(dtype)
-    ref = F.linear(x, layer.weight, layer.bias)
+    # 13 rows: a decode batch, exact; 100: a prefill chunk, padded to a row bucket (128) and cut back
+    xs = [torch.randn(rows, 96, generator=gen).to(dtype) for rows in (13, 100)]
+    refs = [F.linear(x, layer.weight, layer.bias) for x in xs]
     layer.pack(free_weight=True)
     assert layer.weight.numel() == 0
-    torch.testing.assert_close(layer(x).float(), ref.float(), **TOL[dtype])
+    for x, ref in zip(xs, refs):
+        got = layer(x)
+        assert got.shape == ref.shape and got.is_contiguous()
+        torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
 
 
 @pytest.fixture(scope="module")
