@@ -40,11 +40,10 @@ class Linear(nn.Linear):
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
-        if rows <= _EXACT_ROWS or rows % _ROW_BUCKET == 0:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        padded = x.new_zeros((rows + (-rows) % _ROW_BUCKET, x.shape[1]))  # (T rounded up, in_features)
-        padded[:rows] = x
-        return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
+        pad = -rows % _ROW_BUCKET if rows > _EXACT_ROWS else 0
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))  # (T rounded up to the bucket, in_features), zero rows
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
 
 
 # oneDNN picks its blocked layout for this many rows; measured on the bench shapes, 16 serves decode steps best and
