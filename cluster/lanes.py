@@ -9,9 +9,7 @@ again this lane is registered with the new instance. While any worker is down, n
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import threading
 from typing import Callable
 
 import ray
@@ -32,7 +30,7 @@ class OwnerLanes:
     def __init__(self, postprocs: list, on_output: Callable[[Output], None], loop: asyncio.AbstractEventLoop,
                  host: str):
         self.postprocs = list(postprocs)
-        self.lane = Lane(_LoopHandoff(loop, on_output), host=host)
+        self.lane = Lane(lambda out: loop.call_soon_threadsafe(on_output, out), host=host)
         addrs = ray.get([p.pull_pipe_addr.remote() for p in self.postprocs], timeout=_START_S)
         self._addrs: list[PipeAddr] = [tuple(a) for a in addrs]  # each worker instance's pipe: its identity
         self._lanes: list[int | None] = ray.get([p.add_lane.remote(self.lane.addr) for p in self.postprocs],
@@ -85,40 +83,3 @@ class OwnerLanes:
 
     def close(self) -> None:
         self.lane.close()
-
-
-class _LoopHandoff:
-    """Hands outputs from the lane's thread to the owner's event loop: one wake-up of the loop for whatever arrived
-    meanwhile, not one per output (at 16 streams that is one per token)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_output: Callable[[Output], None]):
-        self._loop = loop
-        self._on_output = on_output
-        self._pending: collections.deque[Output] = collections.deque()
-        self._lock = threading.Lock()
-        self._scheduled = False
-
-    def __call__(self, out: Output) -> None:
-        """On the lane's thread."""
-        with self._lock:
-            self._pending.append(out)
-            if self._scheduled:
-                return
-            self._scheduled = True
-        try:
-            self._loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the loop is closed (the replica is going away): the next output tries again
-            with self._lock:
-                self._scheduled = False
-            raise
-
-    def _deliver(self) -> None:
-        """On the loop: every output that arrived, in order."""
-        with self._lock:
-            outs, self._scheduled = list(self._pending), False
-            self._pending.clear()
-        for out in outs:
-            try:
-                self._on_output(out)
-            except Exception:  # one bad delivery must not stop the others
-                log.exception("delivering the output of request %s failed", out.client_id)

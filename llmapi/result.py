@@ -66,11 +66,7 @@ class GenerationResult:
         """Hands one step (or a failure) to the result; thread-safe."""
         self._queue.put(item)
         waker = self._waker
-        if waker is None:
-            return
-        if _running_loop() is waker[0]:
-            waker[1].set()  # the reader's own loop (the owner's): no wake-up through the loop's self-pipe
-        else:
+        if waker is not None:
             waker[0].call_soon_threadsafe(waker[1].set)
 
     # ---- reference API properties ----
@@ -299,10 +295,3 @@ class GenerationResult:
 
 class RequestOutput(GenerationResult):
     """The output data of a completion request to the LLM (what generate / generate_async return)."""
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:  # a thread without a running loop (an engine's, a lane's)
-        return None
