@@ -210,9 +210,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--max-replicas", type=int, default=6, help="most prefill + decode replicas considered")
     p.add_argument("--profile", metavar="FILE", default=None, help="reuse a saved profile instead of profiling")
     p.add_argument("--save-profile", metavar="FILE", default=None, help="write the profile (and calibration) here")
-    p.add_argument("--calibrate", type=float, nargs=2, metavar=("LOW", "HIGH"), default=None,
+    p.add_argument("--calibrate", type=float, nargs="+", metavar="RATE", default=None,
                    help="measure the serving path's overheads on a local Serve deployment of CONFIG, with the "
-                        "workload at these two rates (req/s)")
+                        "workload at these rates (req/s, two or more; more follow a non-linear slow-down better)")
     p.add_argument("--validate", type=float, nargs="+", metavar="RATE", default=None,
                    help="also measure CONFIG's deployment (1 prefill + 1 decode, and colocated) with raypd bench at "
                         "these rates and print predicted against measured p50s")
@@ -224,6 +224,8 @@ def _plan(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if not 0 < args.attainment <= 1 or args.max_replicas < 1:
         raise ConfigError("plan --attainment must be in (0, 1] and --max-replicas >= 1")
+    if args.calibrate is not None and (len(args.calibrate) < 2 or min(args.calibrate) <= 0):
+        raise ConfigError(f"plan --calibrate needs two or more request rates > 0, got {args.calibrate}")
     from cluster import plan, plan_check
 
     workload = plan.Workload(args.input_len, args.output_len, args.range_ratio, args.request_rate,

@@ -2,11 +2,13 @@
 
 Both run the Serve application of the YAML on a local Ray (1 prefill + 1 decode replica, or colocated with one
 decode replica) and measure it with `raypd bench`'s client.
-- calibrate: Poisson arrivals at two rates. What Serve measures beyond the simulated engine is the serving path: a
-  decode step's slow-down (step_scale) and cost per sequence in it (seq_step_s), fitted so both simulated TPOT p50s
-  match; then the first token's trip (ttft_s) and what each other request in flight adds to it
-  (ttft_per_request_s), so both TTFT p50s match. On a shared host these absorb the replicas' contention for its
-  cores, which the simulator does not model otherwise.
+- calibrate: Poisson arrivals at two or more rates. What Serve measures beyond the simulated engine is the serving
+  path: a decode step's slow-down (step_scale) and cost per sequence in it (seq_step_s), fitted so the simulated
+  TPOT p50s match the measured ones (least squares on relative error: exactly with two rates, the best compromise
+  with more); then the first token's trip (ttft_s) and what each other request in flight adds to it
+  (ttft_per_request_s), so the TTFT p50s do. On a shared host these absorb the replicas' contention for its cores,
+  which the simulator does not model otherwise, and that contention is not linear in load: more rates let the fit
+  follow the curve instead of two points of it. The fit's own residuals are printed.
 - validate: Poisson arrivals at each given rate; predicted and measured TTFT / TPOT p50 side by side. With other
   rates (and prompts) than the calibration's, the check is out of sample.
 Every run has prompts of its own (a seed of its own; the simulator gets the same ones): on a deployment that served
@@ -87,9 +89,11 @@ def _warm_up(config: RaypdConfig, bench: BenchConfig, port: int) -> None:
     run_benchmark(warm)
 
 
-def calibrate(profile: Profile, config: RaypdConfig, workload: Workload, rates: tuple[float, float],
+def calibrate(profile: Profile, config: RaypdConfig, workload: Workload, rates: tuple[float, ...],
               measure) -> Profile:
-    """The profile with each mode's serving-path overheads, from runs of the workload at two Poisson rates."""
+    """The profile with each mode's serving-path overheads, from runs of the workload at two or more Poisson rates."""
+    if len(rates) < 2:
+        raise ValueError(f"calibration needs at least two request rates, got {list(rates)}")
     overheads = {}
     for mode in MODES:
         points = []
@@ -101,6 +105,12 @@ def calibrate(profile: Profile, config: RaypdConfig, workload: Workload, rates: 
             print(f"calibration, {mode}, {rate:g} req/s: measured TTFT p50 {points[-1][1]:.1f} ms, "
                   f"TPOT p50 {points[-1][2]:.2f} ms", flush=True)
         overheads[mode] = _fit_overheads(profile, mode, points)
+        fitted = dataclasses.replace(profile, overheads={mode: overheads[mode]})
+        for rate, (reqs, ttft, tpot) in zip(rates, points):
+            sim = simulate(fitted, reqs, 0 if mode == "colocated" else 1, 1)
+            print(f"  fitted, {mode}, {rate:g} req/s: TTFT p50 {sim.ttft_ms.p50:.1f} ms "
+                  f"({Check.error(sim.ttft_ms.p50, ttft):+.0%}), TPOT p50 {sim.tpot_ms.p50:.2f} ms "
+                  f"({Check.error(sim.tpot_ms.p50, tpot):+.0%})", flush=True)
     return dataclasses.replace(profile, overheads=overheads)
 
 
@@ -113,28 +123,37 @@ def _fit_overheads(profile: Profile, mode: str, points) -> Overheads:
         trial = dataclasses.replace(profile, overheads={mode: o})
         return [getattr(simulate(trial, reqs, p, 1), metric).p50 for reqs, *_ in points]
 
-    fitted = _newton(lambda a, b: p50s(Overheads(0.0, a, b), "tpot_ms"), [tpot for *_, tpot in points],
-                     (1.0, 0.0), (0.1, 1e-4), (0.5, 0.0))
+    fitted = _fit2(lambda a, b: p50s(Overheads(0.0, a, b), "tpot_ms"), [tpot for *_, tpot in points],
+                   (1.0, 0.0), (0.1, 1e-4), (0.5, 0.0))
     o = Overheads(0.0, *fitted)
-    ttft = _newton(lambda a, b: p50s(dataclasses.replace(o, ttft_s=a, ttft_per_request_s=b), "ttft_ms"),
-                   [ttft for _, ttft, _ in points], (0.0, 0.0), (1e-3, 1e-3), (0.0, 0.0))
+    ttft = _fit2(lambda a, b: p50s(dataclasses.replace(o, ttft_s=a, ttft_per_request_s=b), "ttft_ms"),
+                 [ttft for _, ttft, _ in points], (0.0, 0.0), (1e-3, 1e-3), (0.0, 0.0))
     return dataclasses.replace(o, ttft_s=ttft[0], ttft_per_request_s=ttft[1])
 
 
-def _newton(f, target: list[float], start: tuple[float, float], delta: tuple[float, float],
-            floor: tuple[float, float], iterations: int = 4) -> tuple[float, float]:
-    """Two parameters (a, b) with f(a, b) ~ target (two simulated p50s against two measured): Newton steps on a
-    finite-difference Jacobian, each parameter kept >= its floor (the simulated batches shift with the speeds)."""
+def _fit2(f, target: list[float], start: tuple[float, float], delta: tuple[float, float],
+          floor: tuple[float, float], iterations: int = 6) -> tuple[float, float]:
+    """Two parameters (a, b) with f(a, b) ~ target (simulated p50s against measured ones, two or more): Gauss-Newton
+    steps on a finite-difference Jacobian of the relative residuals, each parameter kept >= its floor (the simulated
+    batches shift with the speeds, so f is not smooth); the best point seen is returned."""
     import numpy as np
 
+    goal = np.array(target)
+
+    def residual(a: float, b: float) -> np.ndarray:
+        return np.array(f(a, b)) / goal - 1
+
     a, b = start
+    base = residual(a, b)
+    best = (float(np.sum(base ** 2)), a, b)
     for _ in range(iterations):
-        base = np.array(f(a, b))  # (2,)
-        jacobian = np.stack([(np.array(f(a + delta[0], b)) - base) / delta[0],
-                             (np.array(f(a, b + delta[1])) - base) / delta[1]], axis=1)  # (2, 2)
-        step = np.linalg.lstsq(jacobian, np.array(target) - base, rcond=None)[0]
+        jacobian = np.stack([(residual(a + delta[0], b) - base) / delta[0],
+                             (residual(a, b + delta[1]) - base) / delta[1]], axis=1)  # (n, 2)
+        step = np.linalg.lstsq(jacobian, -base, rcond=None)[0]
         a, b = max(floor[0], a + step[0]), max(floor[1], b + step[1])
-    return float(a), float(b)
+        base = residual(a, b)
+        best = min(best, (float(np.sum(base ** 2)), a, b))
+    return float(best[1]), float(best[2])
 
 
 def validate(profile: Profile, config: RaypdConfig, workload: Workload, rates: list[float], measure) -> list[Check]:

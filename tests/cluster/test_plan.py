@@ -156,3 +156,38 @@ def test_each_request_in_flight_adds_to_a_new_requests_ttft():
     loaded = Simulation(SHAPE, MODEL, 1, 1, Overheads(ttft_per_request_s=0.004)).run(requests)
     assert loaded[0].ttft_s == pytest.approx(plain[0].ttft_s)  # nothing else in flight when it was sent
     assert loaded[1].ttft_s == pytest.approx(plain[1].ttft_s + 0.004)
+
+
+def _poisson(rate: float, n: int, seed: int) -> list[SimRequest]:
+    import random
+
+    rng, now, out = random.Random(seed), 0.0, []
+    for i in range(n):
+        out.append(SimRequest(now, _prompt(rng.randint(24, 56), seed * 1000 + i), rng.randint(8, 24)))
+        now += rng.expovariate(rate)
+    return out
+
+
+@pytest.mark.parametrize("rates", [(40.0, 160.0), (40.0, 100.0, 160.0)])
+def test_the_overhead_fit_reproduces_the_p50s_of_known_overheads(rates):
+    from cluster.plan_check import _fit_overheads
+
+    truth = Overheads(ttft_s=0.004, step_scale=1.6, seq_step_s=0.0004, ttft_per_request_s=0.0008)
+    prof = Profile("m", SHAPE, MODEL, 0.0, 0, 1)
+    points = []
+    for i, rate in enumerate(rates):
+        reqs = _poisson(rate, 60, i)
+        got = simulate(dataclasses.replace(prof, overheads={"colocated": truth}), reqs, 0, 1)
+        points.append((reqs, got.ttft_ms.p50, got.tpot_ms.p50))
+    fitted = dataclasses.replace(prof, overheads={"colocated": _fit_overheads(prof, "colocated", points)})
+    for reqs, ttft, tpot in points:
+        sim = simulate(fitted, reqs, 0, 1)
+        assert sim.ttft_ms.p50 == pytest.approx(ttft, rel=0.05)
+        assert sim.tpot_ms.p50 == pytest.approx(tpot, rel=0.05)
+
+
+def test_plan_refuses_a_single_calibration_rate(tiny_llama, tmp_path, capsys):
+    code = main(["plan", str(_yaml(tmp_path, tiny_llama)), "--slo-ttft-ms", "100", "--slo-tpot-ms", "10",
+                 "--calibrate", "2"])
+    assert code != 0
+    assert "--calibrate needs two or more request rates" in capsys.readouterr().err
