@@ -4,9 +4,9 @@
    grid of prefill batches (prompt lengths x batch sizes, chunked past the token budget) and decode batches (batch
    sizes x context lengths), plus mixed steps, is timed, and a StepModel (cluster/simulator.py) is fitted to them by
    least squares on relative error.
-2. Calibrate (optional, --calibrate LOW HIGH; cluster/plan_check.py): runs through the Serve deployment at two
-   rates, per mode, give what the serving path adds (TTFT overhead and its growth with requests in flight, decode
-   step slow-down and cost per sequence); without it the engine alone is simulated.
+2. Calibrate (optional, --calibrate RATE RATE...; cluster/plan_check.py): runs through the Serve deployment at two
+   or more rates, per mode, give what the serving path adds (TTFT overhead and its growth with requests in flight,
+   decode step slow-down and cost per sequence); without it the engine alone is simulated.
 3. Search: for each prefill count P (0 = colocated) and decode count D up to --max-replicas, the simulator runs the
    workload (Poisson arrivals at --request-rate, the bench's length mix, tokenized with the model's tokenizer); the
    counts whose requests meet both SLOs (TTFT and TPOT) for at least --attainment of requests, at the highest goodput
