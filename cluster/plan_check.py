@@ -5,10 +5,10 @@ decode replica) and measure it with `raypd bench`'s client.
 - calibrate: Poisson arrivals at two or more rates. What Serve measures beyond the simulated engine is the serving
   path: a decode step's slow-down (step_scale) and cost per sequence in it (seq_step_s), fitted so the simulated
   TPOT p50s match the measured ones (least squares on relative error: exactly with two rates, the best compromise
-  with more); then the first token's trip (ttft_s) and what each other request in flight adds to it
-  (ttft_per_request_s), so the TTFT p50s do. On a shared host these absorb the replicas' contention for its cores,
-  which the simulator does not model otherwise, and that contention is not linear in load: more rates let the fit
-  follow the curve instead of two points of it. The fit's own residuals are printed.
+  with more); then the first token's trip (ttft_s) and what each request in flight (on average over the run)
+  adds to it (ttft_per_request_s), so the TTFT p50s do. On a shared host these absorb the replicas' contention for
+  its cores, which the simulator does not model otherwise, and that contention is not linear in load: more rates let
+  the fit follow the curve instead of two points of it. The fit's own residuals are printed.
 - validate: Poisson arrivals at each given rate; predicted and measured TTFT / TPOT p50 side by side. With other
   rates (and prompts) than the calibration's, the check is out of sample.
 Every run has prompts of its own (a seed of its own; the simulator gets the same ones): on a deployment that served

@@ -62,13 +62,16 @@ class Overheads:
     A decode replica's step (colocated: every step) takes step_scale times the engine's, plus seq_step_s per
     sequence in it: the process and its neighbours (postproc, ingress, HTTP) share the host's cores, and each
     sequence's tokens cost the serving path work every step. A request's first token also waits
-    ttft_s + ttft_per_request_s per other request in flight on the serving path."""
+    ttft_s + ttft_per_request_s per request in flight on the serving path, averaged over the run: the load the
+    other streams put on the shared cores, smooth in the request rate. (Counting the requests in flight at each
+    request's own sending made the p50 jump by whole requests at low rates, where the measured one rises
+    smoothly.)"""
 
     ttft_s: float = 0.0
     step_scale: float = 1.0
     seq_step_s: float = 0.0
     handoff_s: float = 0.0
-    ttft_per_request_s: float = 0.0  # more TTFT per other request in flight when it is sent (they share the path)
+    ttft_per_request_s: float = 0.0  # more TTFT per request in flight, on average over the run (a shared path)
 
     def step_seconds(self, engine_s: float, num_seqs: int) -> float:
         return engine_s * self.step_scale + self.seq_step_s * num_seqs
@@ -226,6 +229,9 @@ class Simulation:
             action(self.now)
         if any(r.done_s is None for r in records):
             raise RuntimeError("the simulation ended with requests unfinished (a request larger than the KV pool?)")
+        load = _mean_in_flight(records)
+        for r in records:
+            r.ttft_overhead_s += self.overheads.ttft_per_request_s * load
         return records
 
     # ---- the client ----
@@ -239,7 +245,6 @@ class Simulation:
         self._in_flight += 0 if slot_held else 1
         self._active += 1
         record.sent_s = now
-        record.ttft_overhead_s += self.overheads.ttft_per_request_s * (self._active - 1)
         request_id = next(self._ids)
         self._records[request_id] = record
         kind = "context_only" if self.prefill else "context_and_generation"
@@ -282,3 +287,10 @@ def _sequence(request_id: int, request: SimRequest, kind: str) -> Sequence:
     seq = Sequence(request_id, engine_request, 0, list(request.prompt))
     engine_request.seqs.append(seq)
     return seq
+
+
+def _mean_in_flight(records: list[SimRecord]) -> float:
+    """Requests in flight on the serving path, averaged over the run's time (Little's law: busy time / span)."""
+    start = min(r.sent_s for r in records)
+    span = max(r.done_s for r in records) - start
+    return sum(r.done_s - r.sent_s for r in records) / span if span > 0 else 0.0

@@ -150,12 +150,25 @@ def test_plan_command_prints_the_candidates_and_writes_the_yaml(tiny_llama, tmp_
     assert "no deployment of up to 2 replicas meets the SLOs" in capsys.readouterr().err
 
 
-def test_each_request_in_flight_adds_to_a_new_requests_ttft():
+def test_the_ttft_overhead_grows_with_the_requests_in_flight_on_average():
     requests = [SimRequest(0.0, _prompt(8, 0), 50), SimRequest(0.001, _prompt(8, 1), 2)]
     plain = Simulation(SHAPE, MODEL, 1, 1).run(requests)
     loaded = Simulation(SHAPE, MODEL, 1, 1, Overheads(ttft_per_request_s=0.004)).run(requests)
-    assert loaded[0].ttft_s == pytest.approx(plain[0].ttft_s)  # nothing else in flight when it was sent
-    assert loaded[1].ttft_s == pytest.approx(plain[1].ttft_s + 0.004)
+    # in flight on average: the two requests' time from sending to their last token, over the run's span
+    busy = sum(r.done_s - r.sent_s for r in plain)
+    load = busy / (max(r.done_s for r in plain) - min(r.sent_s for r in plain))
+    assert 1.0 < load < 2.0
+    for before, after in zip(plain, loaded):
+        assert after.ttft_s == pytest.approx(before.ttft_s + 0.004 * load)
+        assert after.done_s == pytest.approx(before.done_s)  # it is the serving path's wait: engine time is unchanged
+    # twice the rate of the same requests: more of them in flight at once, so more added to each TTFT
+    dense = [SimRequest(i * 0.005, _prompt(8, i), 20) for i in range(8)]
+    sparse = [dataclasses.replace(r, arrival_s=r.arrival_s * 20) for r in dense]
+    o = Overheads(ttft_per_request_s=0.004)
+    extra = [sum(a.ttft_s - b.ttft_s for a, b in zip(Simulation(SHAPE, MODEL, 1, 1, o).run(reqs),
+                                                      Simulation(SHAPE, MODEL, 1, 1).run(reqs)))
+             for reqs in (dense, sparse)]
+    assert extra[0] > extra[1] > 0
 
 
 def _poisson(rate: float, n: int, seed: int) -> list[SimRequest]:
