@@ -132,10 +132,11 @@ def _fit_overheads(profile: Profile, mode: str, points) -> Overheads:
 
 
 def _fit2(f, target: list[float], start: tuple[float, float], delta: tuple[float, float],
-          floor: tuple[float, float], iterations: int = 6) -> tuple[float, float]:
+          floor: tuple[float, float], iterations: int = 8) -> tuple[float, float]:
     """Two parameters (a, b) with f(a, b) ~ target (simulated p50s against measured ones, two or more): Gauss-Newton
-    steps on a finite-difference Jacobian of the relative residuals, each parameter kept >= its floor (the simulated
-    batches shift with the speeds, so f is not smooth); the best point seen is returned."""
+    steps on a finite-difference Jacobian of the relative residuals, each parameter kept >= its floor. Near
+    saturation the simulated batches grow with slower steps, so f is steep and not smooth: a step that does not
+    lower the squared error is halved (up to 6 times), and the best point seen is returned."""
     import numpy as np
 
     goal = np.array(target)
@@ -145,15 +146,21 @@ def _fit2(f, target: list[float], start: tuple[float, float], delta: tuple[float
 
     a, b = start
     base = residual(a, b)
-    best = (float(np.sum(base ** 2)), a, b)
+    error = float(np.sum(base ** 2))
     for _ in range(iterations):
         jacobian = np.stack([(residual(a + delta[0], b) - base) / delta[0],
                              (residual(a, b + delta[1]) - base) / delta[1]], axis=1)  # (n, 2)
         step = np.linalg.lstsq(jacobian, -base, rcond=None)[0]
-        a, b = max(floor[0], a + step[0]), max(floor[1], b + step[1])
-        base = residual(a, b)
-        best = min(best, (float(np.sum(base ** 2)), a, b))
-    return float(best[1]), float(best[2])
+        for _ in range(7):
+            na, nb = max(floor[0], a + step[0]), max(floor[1], b + step[1])
+            trial = residual(na, nb)
+            if float(np.sum(trial ** 2)) < error:
+                a, b, base, error = na, nb, trial, float(np.sum(trial ** 2))
+                break
+            step = step / 2
+        else:
+            break  # no step along this direction helps: the best point is this one
+    return float(a), float(b)
 
 
 def validate(profile: Profile, config: RaypdConfig, workload: Workload, rates: list[float], measure) -> list[Check]:

@@ -181,11 +181,15 @@ def _poisson(rate: float, n: int, seed: int) -> list[SimRequest]:
     return out
 
 
-@pytest.mark.parametrize("rates", [(40.0, 160.0), (40.0, 100.0, 160.0)])
-def test_the_overhead_fit_reproduces_the_p50s_of_known_overheads(rates):
+@pytest.mark.parametrize(("rates", "step_scale", "seq_step_s"), [
+    ((40.0, 160.0), 1.6, 0.0004),
+    ((40.0, 100.0, 160.0), 1.6, 0.0004),
+    ((40.0, 160.0), 3.0, 0.002),  # slower steps, more sequences batched
+])
+def test_the_overhead_fit_reproduces_the_p50s_of_known_overheads(rates, step_scale, seq_step_s):
     from cluster.plan_check import _fit_overheads
 
-    truth = Overheads(ttft_s=0.004, step_scale=1.6, seq_step_s=0.0004, ttft_per_request_s=0.0008)
+    truth = Overheads(ttft_s=0.004, step_scale=step_scale, seq_step_s=seq_step_s, ttft_per_request_s=0.0008)
     prof = Profile("m", SHAPE, MODEL, 0.0, 0, 1)
     points = []
     for i, rate in enumerate(rates):
