@@ -212,7 +212,6 @@ class Simulation:
         self.decode = [_Replica(self, "decode", shape, model, overheads, self._decoded) for _ in range(num_decode)]
         self._concurrency = concurrency
         self._in_flight = 0  # client slots taken (a slot passes straight to a waiting request)
-        self._active = 0  # requests sent and not finished
         self._gate: deque[SimRecord] = deque()
         self._records: dict[int, SimRecord] = {}
         self._ids = itertools.count()
@@ -243,7 +242,6 @@ class Simulation:
 
     def _send(self, record: SimRecord, now: float, slot_held: bool = False) -> None:
         self._in_flight += 0 if slot_held else 1
-        self._active += 1
         record.sent_s = now
         request_id = next(self._ids)
         self._records[request_id] = record
@@ -253,7 +251,6 @@ class Simulation:
 
     def _finish(self, record: SimRecord, now: float) -> None:
         record.done_s = now
-        self._active -= 1
         if not self._gate:
             self._in_flight -= 1
             return
