@@ -52,6 +52,11 @@ def deployment(config: RaypdConfig, mode: str) -> RaypdConfig:
                                      "decode": config.decode.model_copy(update=one)})
 
 
+def _prefill_replicas(mode: str) -> int:
+    """Prefill replicas of the deployment the checks run for a mode (colocated: none; decode is always one)."""
+    return 0 if mode == "colocated" else 1
+
+
 @contextlib.contextmanager
 def serving(config: RaypdConfig) -> Iterator:
     """A local Ray with Serve; yields measure(mode, bench) -> BenchResult, deploying each mode in turn."""
@@ -107,7 +112,7 @@ def calibrate(profile: Profile, config: RaypdConfig, workload: Workload, rates: 
         overheads[mode] = _fit_overheads(profile, mode, points)
         fitted = dataclasses.replace(profile, overheads={mode: overheads[mode]})
         for rate, (reqs, ttft, tpot) in zip(rates, points):
-            sim = simulate(fitted, reqs, 0 if mode == "colocated" else 1, 1)
+            sim = simulate(fitted, reqs, _prefill_replicas(mode), 1)
             print(f"  fitted, {mode}, {rate:g} req/s: TTFT p50 {sim.ttft_ms.p50:.1f} ms "
                   f"({Check.error(sim.ttft_ms.p50, ttft):+.0%}), TPOT p50 {sim.tpot_ms.p50:.2f} ms "
                   f"({Check.error(sim.tpot_ms.p50, tpot):+.0%})", flush=True)
@@ -117,7 +122,7 @@ def calibrate(profile: Profile, config: RaypdConfig, workload: Workload, rates: 
 def _fit_overheads(profile: Profile, mode: str, points) -> Overheads:
     """The decode-step terms (step_scale, seq_step_s) so the simulated TPOT p50s match the measured ones, then the
     TTFT terms (ttft_s, ttft_per_request_s) so the TTFT p50s do."""
-    p = 0 if mode == "colocated" else 1
+    p = _prefill_replicas(mode)
 
     def p50s(o: Overheads, metric: str) -> list[float]:
         trial = dataclasses.replace(profile, overheads={mode: o})
@@ -168,7 +173,7 @@ def validate(profile: Profile, config: RaypdConfig, workload: Workload, rates: l
     for mode in MODES:
         for i, rate in enumerate(rates):
             at_rate = dataclasses.replace(workload, request_rate=rate, seed=workload.seed + 100 + i)
-            predicted = simulate(profile, requests_of(at_rate, config), 0 if mode == "colocated" else 1, 1)
+            predicted = simulate(profile, requests_of(at_rate, config), _prefill_replicas(mode), 1)
             got = measure(mode, at_rate.bench_config(config.model_name))
             if got.failed:
                 raise RuntimeError(f"{mode} at {rate} req/s: {got.failed} requests failed: {got.errors()[:3]}")
