@@ -200,25 +200,34 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 
 // ---- paged KV: decode attention, read in place ----
 // One (sequence, KV head) item: its `group` query heads attend the same keys, so each key and value row is read
-// (and converted to fp32) once for all of them. Keys go in chunks of 16 through an fp32 buffer; scores are kept
-// for the whole context (two passes: scores and softmax, then the weighted sum of values).
+// (and converted to fp32) once for all of them. Scores are kept for the whole context (two passes: scores and
+// softmax, then the weighted sum of values). Where each key row lives is worked out once per item, block by block
+// (`offs`, shared by keys and values: both caches have the same strides), so the hot loops do no division.
 struct DecodeItem {
   const float* q;  // (group, dim) queries, already multiplied by the scale
-  int64_t group, dim, first, n;  // keys [first, first + n)
-  const int32_t* table;
-  int64_t block_size, c0, c1, kv_offset;  // element offset of a key row: table[p / bs] * c0 + (p % bs) * c1 + kv_offset
+  int64_t group, dim, n;  // n keys, at element offsets offs[0..n) of the cache base
+  const int64_t* offs;
 };
 
-template <typename T>
-inline const T* key_row(const T* base, const DecodeItem& it, int64_t pos) {
-  return base + it.table[pos / it.block_size] * it.c0 + (pos % it.block_size) * it.c1 + it.kv_offset;
+// The element offset of each of the keys [first, first + n) of a sequence: table[p / bs] * c0 + (p % bs) * c1 + kv.
+inline void row_offsets(int64_t* offs, const int32_t* table, int64_t first, int64_t n, int64_t block_size,
+                        int64_t c0, int64_t c1, int64_t kv_offset) {
+  int64_t block = first / block_size, slot = first % block_size;
+  int64_t base = table[block] * c0 + kv_offset;
+  for (int64_t j = 0; j < n; ++j) {
+    offs[j] = base + slot * c1;
+    if (++slot == block_size) {
+      slot = 0;
+      if (j + 1 < n) base = table[++block] * c0 + kv_offset;
+    }
+  }
 }
 
 // scores (group, n_pad) <- q . k, then softmax in place over the first n of each row
 template <typename T>
 void scores_softmax_scalar(const T* kc, const DecodeItem& it, float* scores, int64_t n_pad) {
   for (int64_t j = 0; j < it.n; ++j) {
-    const T* k = key_row(kc, it, it.first + j);
+    const T* k = kc + it.offs[j];
     for (int64_t g = 0; g < it.group; ++g) {
       float dot = 0.f;
       for (int64_t d = 0; d < it.dim; ++d) dot += it.q[g * it.dim + d] * to_f(k[d]);
@@ -238,14 +247,36 @@ template <typename T>
 void weighted_values_scalar(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc) {
   std::fill(acc, acc + it.group * it.dim, 0.f);
   for (int64_t j = 0; j < it.n; ++j) {
-    const T* v = key_row(vc, it, it.first + j);
+    const T* v = vc + it.offs[j];
     for (int64_t g = 0; g < it.group; ++g)
       for (int64_t d = 0; d < it.dim; ++d) acc[g * it.dim + d] += probs[g * n_pad + j] * to_f(v[d]);
   }
 }
 
 #ifdef RAYPD_AVX512
-// The fp32 rows of one chunk of up to 16 keys starting at position c: the cache rows themselves for fp32, else
+// softmax in place over the first n of each of the group's score rows (group, n_pad); padding gets probability 0
+inline void softmax_rows(float* scores, int64_t group, int64_t n, int64_t n_pad) {
+  const int64_t full = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1);
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * n_pad;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(s + full));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n_pad; j += 16) {
+      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+      if (j == full) e = _mm512_maskz_mov_ps(tail, e);
+      _mm512_storeu_ps(s + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t j = 0; j < n_pad; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+  }
+}
+
+// The fp32 rows of one chunk of up to 16 keys starting at key c: the cache rows themselves for fp32, else
 // converted into buf; rows past the context point at zeros.
 template <typename T>
 void chunk_rows(const T* cache, const DecodeItem& it, int64_t c, float* buf, const float* zeros, const float** rows) {
@@ -254,9 +285,9 @@ void chunk_rows(const T* cache, const DecodeItem& it, int64_t c, float* buf, con
     if (j >= cnt) {
       rows[j] = zeros;
     } else if constexpr (std::is_same_v<T, float>) {
-      rows[j] = key_row(cache, it, it.first + c + j);
+      rows[j] = cache + it.offs[c + j];
     } else {
-      const T* src = key_row(cache, it, it.first + c + j);
+      const T* src = cache + it.offs[c + j];
       for (int64_t i = 0; i < dv; ++i) _mm512_storeu_ps(buf + j * it.dim + 16 * i, load16(src + 16 * i));
       rows[j] = buf + j * it.dim;
     }
@@ -281,29 +312,73 @@ void scores_softmax_avx512(const T* kc, const DecodeItem& it, float* scores, int
       _mm512_storeu_ps(scores + g * n_pad + c, hsum16(part));
     }
   }
-  const int64_t full = it.n / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (it.n - full)) - 1);
-  for (int64_t g = 0; g < it.group; ++g) {
-    float* s = scores + g * n_pad;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
-    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(s + full));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n_pad; j += 16) {
-      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
-      if (j == full) e = _mm512_maskz_mov_ps(tail, e);  // padding gets probability 0
-      _mm512_storeu_ps(s + j, e);
-      sum = _mm512_add_ps(sum, e);
+  softmax_rows(scores, it.group, it.n, n_pad);
+}
+
+#ifdef __AVX512BF16__
+// bf16 keys: q . k straight from the bf16 rows with VDPBF16PS (bf16 products are exact in fp32, sums in fp32), no
+// conversion pass; the scale multiplies the sums. q: the group's unscaled bf16 query rows, q_stride apart.
+void scores_softmax_bf16(const c10::BFloat16* kc, const DecodeItem& it, const c10::BFloat16* q, int64_t q_stride,
+                         float scale, float* scores, int64_t n_pad, const c10::BFloat16* zeros) {
+  const int64_t dw = it.dim / 32;  // 32 bf16 per vector
+  const __m512 sv = _mm512_set1_ps(scale);
+  const c10::BFloat16* rows[16];
+  for (int64_t c = 0; c < it.n; c += 16) {
+    const int64_t cnt = std::min<int64_t>(16, it.n - c);
+    for (int64_t j = 0; j < 16; ++j) rows[j] = j < cnt ? kc + it.offs[c + j] : zeros;
+    for (int64_t g = 0; g < it.group; ++g) {
+      __m512 part[16];
+      for (int64_t j = 0; j < 16; ++j) part[j] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < dw; ++i) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * i);
+        for (int64_t j = 0; j < 16; ++j)
+          part[j] = _mm512_dpbf16_ps(part[j], qv, (__m512bh)_mm512_loadu_si512(rows[j] + 32 * i));
+      }
+      _mm512_storeu_ps(scores + g * n_pad + c, _mm512_mul_ps(hsum16(part), sv));
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-    for (int64_t j = 0; j < n_pad; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+  }
+  softmax_rows(scores, it.group, it.n, n_pad);
+}
+#endif
+
+// acc (group, dim) <- probs . values. Each value row is loaded (and converted to fp32) once for GB query heads at a
+// time; the GB x DV accumulators stay in registers across the whole context. With few accumulators, even and odd
+// keys go to two sets, so the FMA chains overlap instead of waiting on each other.
+template <typename T, int DV, int GB>
+void weighted_values_regs(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc) {
+  constexpr int kSets = GB * DV <= 8 ? 2 : 1;
+  for (int64_t g0 = 0; g0 < it.group; g0 += GB) {
+    __m512 a[kSets][GB][DV];
+    for (int s = 0; s < kSets; ++s)
+      for (int b = 0; b < GB; ++b)
+        for (int i = 0; i < DV; ++i) a[s][b][i] = _mm512_setzero_ps();
+    const float* p = probs + g0 * n_pad;
+    int64_t j = 0;
+    auto key = [&](int s, int64_t jj) {
+      const T* r = vc + it.offs[jj];
+      __m512 v[DV];
+      for (int i = 0; i < DV; ++i) v[i] = load16(r + 16 * i);
+      for (int b = 0; b < GB; ++b) {
+        const __m512 pb = _mm512_set1_ps(p[b * n_pad + jj]);
+        for (int i = 0; i < DV; ++i) a[s][b][i] = _mm512_fmadd_ps(pb, v[i], a[s][b][i]);
+      }
+    };
+    for (; j + kSets <= it.n; j += kSets)
+      for (int s = 0; s < kSets; ++s) key(s, j + s);
+    for (; j < it.n; ++j) key(0, j);
+    for (int b = 0; b < GB; ++b)
+      for (int i = 0; i < DV; ++i) {
+        __m512 sum = a[0][b][i];
+        for (int s = 1; s < kSets; ++s) sum = _mm512_add_ps(sum, a[s][b][i]);
+        _mm512_storeu_ps(acc + (g0 + b) * it.dim + 16 * i, sum);
+      }
   }
 }
 
+// Head dims past 128 (more vectors than registers to spare): chunks of 16 keys, accumulators in memory.
 template <typename T>
-void weighted_values_avx512(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc,
-                            float* vbuf, const float* zeros) {
+void weighted_values_chunked(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc,
+                             float* vbuf, const float* zeros) {
   const int64_t dim = it.dim, dv = dim / 16;
   const float* rows[16];
   std::fill(acc, acc + it.group * dim, 0.f);
@@ -320,6 +395,49 @@ void weighted_values_avx512(const T* vc, const DecodeItem& it, const float* prob
       }
     }
   }
+}
+
+template <typename T, int DV>
+void weighted_values_dv(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc) {
+  // as many query heads per pass as divide the group and leave registers for the row and the broadcasts
+  if constexpr (DV <= 4) {
+    if (it.group % 4 == 0) return weighted_values_regs<T, DV, 4>(vc, it, probs, n_pad, acc);
+  }
+  if (it.group % 2 == 0) return weighted_values_regs<T, DV, 2>(vc, it, probs, n_pad, acc);
+  weighted_values_regs<T, DV, 1>(vc, it, probs, n_pad, acc);
+}
+
+template <typename T>
+void weighted_values_avx512(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc,
+                            float* vbuf, const float* zeros) {
+  switch (it.dim / 16) {
+    case 1: return weighted_values_dv<T, 1>(vc, it, probs, n_pad, acc);
+    case 2: return weighted_values_dv<T, 2>(vc, it, probs, n_pad, acc);
+    case 3: return weighted_values_dv<T, 3>(vc, it, probs, n_pad, acc);
+    case 4: return weighted_values_dv<T, 4>(vc, it, probs, n_pad, acc);
+    case 5: return weighted_values_dv<T, 5>(vc, it, probs, n_pad, acc);
+    case 6: return weighted_values_dv<T, 6>(vc, it, probs, n_pad, acc);
+    case 7: return weighted_values_dv<T, 7>(vc, it, probs, n_pad, acc);
+    case 8: return weighted_values_dv<T, 8>(vc, it, probs, n_pad, acc);
+    default: return weighted_values_chunked(vc, it, probs, n_pad, acc, vbuf, zeros);
+  }
+}
+#endif
+
+#ifdef RAYPD_AVX512
+// The bf16 scores pass where the CPU has VDPBF16PS; false: the caller runs the fp32 one.
+template <typename T>
+bool bf16_scores(const T* kc, const DecodeItem& it, const T* q, int64_t q_stride, float scale, float* scores,
+                 int64_t n_pad) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    static const std::vector<c10::BFloat16> zeros(256, c10::BFloat16(0.f));  // a padding row (dims up to 256)
+    if (it.dim > 256) return false;
+    scores_softmax_bf16(kc, it, q, q_stride, scale, scores, n_pad, zeros.data());
+    return true;
+  }
+#endif
+  return false;
 }
 #endif
 
@@ -341,10 +459,12 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
   const float fscale = static_cast<float>(scale);
 #ifdef RAYPD_AVX512
   const bool simd = dim % 16 == 0;
+  const bool dot_bf16 = std::is_same_v<T, c10::BFloat16> && dim % 32 == 0;
 #endif
 
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores, kbuf(16 * dim), zeros(dim, 0.f);
+    std::vector<int64_t> offs;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, kh = item % kv_heads;
       const int64_t len = ctx[s], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -353,13 +473,16 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
       const T* qrow = qp + row_of[s] * qs0 + kh * group * qs1;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_f(qrow[g * qs1 + d]) * fscale;
-      const DecodeItem it{qf.data(), group, dim, first, len - first, tab + s * width, block_size,
-                          k_cache.stride(0), k_cache.stride(1), kh * k_cache.stride(2)};
+      offs.resize(len - first);
+      row_offsets(offs.data(), tab + s * width, first, len - first, block_size, k_cache.stride(0), k_cache.stride(1),
+                  kh * k_cache.stride(2));
+      const DecodeItem it{qf.data(), group, dim, len - first, offs.data()};
       const int64_t n_pad = (it.n + 15) / 16 * 16;
       scores.resize(group * n_pad);
 #ifdef RAYPD_AVX512
       if (simd) {
-        scores_softmax_avx512(kc, it, scores.data(), n_pad, kbuf.data(), zeros.data());
+        if (!dot_bf16 || !bf16_scores(kc, it, qrow, qs1, fscale, scores.data(), n_pad))
+          scores_softmax_avx512(kc, it, scores.data(), n_pad, kbuf.data(), zeros.data());
         weighted_values_avx512(vc, it, scores.data(), n_pad, acc.data(), kbuf.data(), zeros.data());
       } else
 #endif
