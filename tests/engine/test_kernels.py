@@ -84,7 +84,8 @@ STEP = [(0, 1), (15, 1), (16, 1), (37, 1), (130, 1), (0, 9), (21, 6), (64, 1), (
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (14, 2, 64), (4, 4, 32), (6, 3, 48)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (14, 2, 64), (4, 4, 32), (6, 3, 48), (8, 2, 64),
+                                                     (4, 2, 256)])
 @pytest.mark.parametrize("window", [None, 20])
 def test_paged_attention_against_reference(kernels, dtype, heads, kv_heads, head_dim, window):
     block_size, gen = 16, torch.Generator().manual_seed(3)
