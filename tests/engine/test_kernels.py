@@ -190,3 +190,31 @@ def test_whole_model_kernels_match_reference(kernels, tiny_dir, dtype):
 def test_select_ops_keeps_other_devices_on_the_reference():
     assert select_ops(torch.float32, "meta") is REFERENCE
     assert select_ops(torch.float64, "cpu") is REFERENCE
+
+
+@pytest.mark.parametrize("vocab", [5, 1000, 4096])
+def test_sample_rows_greedy_and_inverse_cdf_draws(kernels, vocab):
+    """Greedy rows take the first maximal logit; a sampled row takes the first token whose float64 cumulative
+    probability at its temperature exceeds u (up to rounding at the boundary); logprobs are log_softmax's."""
+    gen = torch.Generator().manual_seed(7)
+    logits = 3 * torch.randn(8, vocab, generator=gen)
+    logits[0, [1, 3]] = logits[0].max() + 1  # a tie for the maximum: the lower index wins
+    logits[5, 2:] = float("-inf")  # two tokens left: nothing else may ever be drawn
+    temps = torch.tensor([0.0, 0.0, 1.0, 0.7, 1.5, 1.0, 1.0, 0.05])
+    u = torch.tensor([0.0, 0.0, 0.0, 0.31, 0.77, 0.999999, 0.5, 0.9], dtype=torch.float64)
+    tokens, logprobs = kernels.k.sample_rows(logits, temps, u)
+    for r in range(8):
+        t = float(temps[r]) or 1.0
+        scaled = logits[r].double() / t
+        ref_lp = torch.log_softmax(scaled, dim=-1)
+        token = int(tokens[r])
+        assert abs(float(logprobs[r]) - float(ref_lp[token])) < 1e-4, r
+        if temps[r] == 0:
+            assert token == int(logits[r].argmax()), r  # torch's argmax: the first maximum
+            continue
+        cdf = ref_lp.exp().cumsum(0)
+        target = float(u[r]) * float(cdf[-1])
+        below = float(cdf[token - 1]) if token else 0.0
+        assert below - 1e-6 <= target <= float(cdf[token]) + 1e-6, (r, token, below, target)
+        assert torch.isfinite(logits[r, token]), r
+    assert int(tokens[0]) == 1

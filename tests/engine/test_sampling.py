@@ -202,16 +202,22 @@ def test_a_grammar_without_a_tokenizer_is_refused_by_name(tmp_path, tiny_llama):
     assert run(engine, {0: []})[1][0][0]
 
 
-def test_unseeded_rows_drawn_together_follow_each_rows_distribution():
-    """Unseeded rows without top-k/top-p/min-p are drawn together (inverse CDF); each row keeps its own temperature,
-    and a token without probability (masked by a logit bias or a grammar) is never drawn."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_unseeded_rows_drawn_together_follow_each_rows_distribution(fused):
+    """Unseeded rows without top-k/top-p/min-p are drawn together (inverse CDF), by torch ops or the fused C++
+    kernel; each row keeps its own temperature, and a token without probability (masked by a logit bias or a
+    grammar) is never drawn."""
+    from engine.kernels import cpu_kernels
     from engine.sampler import Sampler
 
+    kernels = cpu_kernels() if fused else None
+    if fused and kernels is None:
+        pytest.skip("no C++ kernels on this machine")
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]] * 3)  # (3, vocab 5): the last token is masked
     params = [SamplingParams(temperature=1.0, max_tokens=1), SamplingParams(temperature=0.5, max_tokens=1),
               SamplingParams(temperature=0.0, max_tokens=1)]
     rows = [SampleRow(p, 0, 0) for p in params]
-    sampler, draws = Sampler(seed=0), 4000
+    sampler, draws = Sampler(seed=0, kernels=kernels), 4000
     counts = torch.zeros(3, 5)
     for _ in range(draws):
         for r, sample in enumerate(sampler(logits, rows)):
