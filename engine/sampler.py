@@ -112,16 +112,19 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, probs.argmax(dim=-1), tokens) if bool(empty.any()) else tokens
 
 
+def _uncut(params: SamplingParams) -> bool:
+    """No top-k, top-p or min-p: a draw from the whole distribution."""
+    return not 0 < params.top_k and params.top_p >= 1.0 and params.min_p <= 0
+
+
 def _fusable(params: SamplingParams) -> bool:
     """Greedy, or a draw from the whole distribution at a temperature: what the fused kernel samples."""
-    uncut = not 0 < params.top_k and params.top_p >= 1.0 and params.min_p <= 0
-    return not params.processes_logits and params.logprobs is None and (params.greedy or uncut)
+    return not params.processes_logits and params.logprobs is None and (params.greedy or _uncut(params))
 
 
 def _plain(params: SamplingParams) -> bool:
     """Sampled (not greedy), unseeded and uncut: such rows are drawn together in one batched race."""
-    return (not params.greedy and params.seed is None and not 0 < params.top_k and params.top_p >= 1.0
-            and params.min_p <= 0)
+    return not params.greedy and params.seed is None and _uncut(params)
 
 
 def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
