@@ -214,6 +214,11 @@ class RouterSettings(_Strict):
         0, ge=0, description="Conditional disaggregation: a prompt with fewer tokens than this left to compute "
                              "after the best prefix-cache hit on a decode replica is prefilled on the decode replica "
                              "(no prefill hop, no KV transfer); longer ones on a prefill replica. 0: always remote.")
+    transport: Literal["grpc", "ray"] = Field(
+        "grpc", description="How the ingress calls the encoder, prefill and decode replicas: grpc (Serve's "
+                            "inter-deployment gRPC server that every replica runs, on a port the OS picks; about half "
+                            "the CPU and latency of a call), or ray (Ray actor calls: where the nodes' firewalls "
+                            "pass Ray's own ports only).")
 
 
 class HttpSettings(_Strict):

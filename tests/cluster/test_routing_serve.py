@@ -149,11 +149,12 @@ def test_short_prompts_prefill_on_the_decode_replica_without_a_kv_transfer(clien
 
 def test_slo_policy_scales_prefill_on_its_ttft(server, client, tiny_llama):
     # TTFT target far below any real prefill: once the replica reports TTFT samples, the policy wants the maximum.
-    # Ongoing requests are 0 by then, so Serve's default policy would not scale.
+    # Ongoing requests are 0 by then, so Serve's default policy would not scale. This app's calls to its replicas
+    # are Ray actor calls (router.transport: ray); the module's other app uses the default, gRPC.
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "look_back_period_s": 20,
                    "slo": {"ttft_ms": 0.001}}
     config = _config(tiny_llama, server, prefill={"num_cpus": 0, "autoscaling": autoscaling},
-                     router={"policy": "least_queued_tokens"})
+                     router={"policy": "least_queued_tokens", "transport": "ray"})
     serve.run(build_from_config(config), name=SCALE_APP, route_prefix="/scale")
     scaled = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/scale/v1", api_key="unused", timeout=60,
                            max_retries=0)
