@@ -52,6 +52,7 @@ class _PrefillPlan:
     start: int
     num_new: int
     blocks: torch.Tensor | None  # (ceil((start + num_new) / block_size),); None when start == 0: attend fresh k/v
+    table: torch.Tensor  # the context's blocks, int32 (what the C++ kernel reads, whatever the start)
 
 
 class AttentionMetadata:
@@ -178,8 +179,9 @@ def _prefill_plans(slices, tables, first_rows: list[int], block_size) -> list[_P
     for i, s in enumerate(slices):
         if s.num_new == 1:
             continue
-        blocks = tables[i, : _blocks_needed(s.start + s.num_new, block_size)] if s.start > 0 else None
-        plans.append(_PrefillPlan(first_rows[i], s.start, s.num_new, blocks))
+        table = tables[i, : _blocks_needed(s.start + s.num_new, block_size)]
+        plans.append(_PrefillPlan(first_rows[i], s.start, s.num_new, table if s.start > 0 else None,
+                                  table.to(torch.int32)))
     return plans
 
 

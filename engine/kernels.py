@@ -78,6 +78,7 @@ class CpuKernelOps(TorchOps):
 
     def __init__(self, module):
         self.k = module
+        self._prefill_amx = module.prefill_available()  # AMX-BF16 here, and Linux granted the tile state
 
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or not x.is_contiguous():
@@ -108,10 +109,21 @@ class CpuKernelOps(TorchOps):
             batch = meta.decode_batch
             self.k.decode_attention(out, q, k_cache, v_cache, batch.tables, batch.rows, batch.context_lens,
                                     window or 0, scale)
+        if meta.prefills and self._prefill_in_place(q, window):
+            for plan in meta.prefills:  # the chunk's keys are in the cache already: read it in place
+                self.k.prefill_attention(out, q, k_cache, v_cache, plan.table, plan.row, plan.start, plan.num_new,
+                                         scale)
+            return out
         for plan, mask in zip(meta.prefills, meta.prefill_masks(window, q.dtype)):
             rows = slice(plan.row, plan.row + plan.num_new)
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, plan, mask, scale)
         return out
+
+    def _prefill_in_place(self, q, window) -> bool:
+        """The C++ prefill kernel: bf16 where the CPU has AMX-BF16, causal without a window, head_dim a multiple
+        of 32 up to 256. fp32 keeps SDPA (its parity with transformers is exact)."""
+        dim = q.shape[2]
+        return window is None and q.dtype == torch.bfloat16 and dim % 32 == 0 and dim <= 256 and self._prefill_amx
 
 
 REFERENCE = TorchOps()

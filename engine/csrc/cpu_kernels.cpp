@@ -522,6 +522,196 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   });
 }
 
+// ---- paged KV: prefill attention (bf16 on AMX) ----
+// One chunk of a sequence's prompt (queries at positions start .. start + n - 1) against its whole causal context,
+// read from the paged cache (the chunk's own keys were written there first). Per KV head, the context's keys and
+// values are packed once as AMX operands (pairs of bf16 per 32-bit lane). Then, per tile of 16 query tokens and per
+// query head of the group: scores = Q K^T in 16 x 16 fp32 tiles (TDPBF16PS: exact bf16 products summed in fp32), a
+// softmax in fp32 over each row's causal context, rounded to bf16 unnormalized, and out = P V in 16 x 16 fp32 tiles,
+// scaled by 1 / the fp32 sum. torch's bf16 SDPA also rounds the probabilities to bf16 for the second product.
+#if defined(RAYPD_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+constexpr int64_t kTile = 16;  // query tokens per tile; keys per score tile
+constexpr int64_t kKeyBlock = 32;  // keys per P V step (one A tile row: 32 bf16)
+
+// Linux hands out the AMX tile state only on request (once per process; oneDNN asks too).
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows x 64 bytes: tmm0 the accumulator, tmm1 the A operand, tmm2 the B operand.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 3; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+
+// keys [0, ctx) of one KV head -> packed[((c * dim / 2) + d2) * 16 + j] = dims (2 d2, 2 d2 + 1) of key 16 c + j: for
+// each 16 keys and 32 dims, a B tile of 16 rows (dim pairs) x 16 keys; keys past ctx are zero
+void pack_keys(const c10::BFloat16* kc, const int64_t* offs, int64_t ctx, int64_t keys_pad, int64_t dim,
+               uint32_t* packed) {
+  const int64_t d2n = dim / 2;
+  std::memset(packed, 0, keys_pad * d2n * sizeof(uint32_t));
+  for (int64_t j = 0; j < ctx; ++j) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(kc + offs[j]);
+    uint32_t* dst = packed + (j / 16) * d2n * 16 + (j % 16);
+    for (int64_t d2 = 0; d2 < d2n; ++d2) dst[d2 * 16] = row[d2];
+  }
+}
+
+// values [0, ctx) of one KV head in key pairs: pairs[(m * dim / 16 + i) * 16 + l] = dim 16 i + l of keys 2m, 2m + 1:
+// for each 32 keys and 16 dims, a B tile of 16 rows (key pairs) x 16 dims, rows dim / 16 * 64 bytes apart
+void pack_values(const c10::BFloat16* vc, const int64_t* offs, int64_t ctx, int64_t keys_pad, int64_t dim,
+                 uint32_t* pairs) {
+  std::memset(pairs, 0, keys_pad / 2 * dim * sizeof(uint32_t));
+  uint16_t* dst = reinterpret_cast<uint16_t*>(pairs);
+  for (int64_t j = 0; j < ctx; ++j) {
+    const uint16_t* row = reinterpret_cast<const uint16_t*>(vc + offs[j]);
+    uint16_t* d = dst + (j / 2) * dim * 2 + (j % 2);
+    for (int64_t e = 0; e < dim; ++e) d[2 * e] = row[e];
+  }
+}
+
+// softmax of each row's first n[r] scores (later keys are masked), rounded to bf16 unnormalized (exp(s - max) in
+// (0, 1]); probs (16, n_pad) bf16 with zeros past n[r]; inv[r] = 1 / the fp32 sum, applied to the output
+void tile_softmax(const float* scores, int64_t n_pad, const int64_t* n, c10::BFloat16* probs, float* inv) {
+  for (int64_t r = 0; r < kTile; ++r) {
+    const float* s = scores + r * n_pad;
+    auto mask = [&](int64_t j) {
+      const int64_t left = n[r] - j;
+      return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    };
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n[r]; j += 16) mx = _mm512_mask_max_ps(mx, mask(j), mx, _mm512_loadu_ps(s + j));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n_pad; j += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(mask(j), exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * n_pad + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+}
+
+// One query head's tile: q (16, dim) bf16 rows, n[r] keys each (n_pad >= max n, a multiple of 32) -> out rows.
+void head_tile(const c10::BFloat16* q, const int64_t* n, int64_t n_pad, int64_t dim, float scale,
+               const uint32_t* keys, const uint32_t* vpairs, float* scores, c10::BFloat16* probs, float* acc,
+               c10::BFloat16* const* out, int64_t rows) {
+  const int64_t d2n = dim / 2, dv = dim / 16;
+  for (int64_t c = 0; c < n_pad / 16; ++c) {  // scores, 16 keys at a time
+    _tile_zero(0);
+    for (int64_t h = 0; h < dim / 32; ++h) {
+      _tile_loadd(1, q + 32 * h, dim * 2);
+      _tile_loadd(2, keys + (c * d2n + 16 * h) * 16, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, scores + c * 16, n_pad * 4);
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < kTile * n_pad; i += 16) _mm512_storeu_ps(scores + i, _mm512_mul_ps(_mm512_loadu_ps(scores + i), sv));
+  float inv[kTile];
+  tile_softmax(scores, n_pad, n, probs, inv);
+  int64_t keys_max = 0;
+  for (int64_t r = 0; r < kTile; ++r) keys_max = std::max(keys_max, n[r]);
+  const int64_t blocks = (keys_max + kKeyBlock - 1) / kKeyBlock;
+  for (int64_t i = 0; i < dv; ++i) {  // out, 16 dims at a time
+    _tile_zero(0);
+    for (int64_t b = 0; b < blocks; ++b) {
+      _tile_loadd(1, probs + b * kKeyBlock, n_pad * 2);
+      _tile_loadd(2, vpairs + (b * 16 * dv + i) * 16, dv * 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, acc + 16 * i, dim * 4);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 iv = _mm512_set1_ps(inv[r]);
+    for (int64_t i = 0; i < dv; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + 16 * i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 16 * i), iv)));
+  }
+}
+
+bool prefill_available() { return amx_ready(); }
+
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor table, int64_t row, int64_t start, int64_t n, double scale) {
+  for (auto* t : {&out, &q, &k_cache, &v_cache, &table}) check_cpu(*t, "prefill_attention tensor");
+  TORCH_CHECK(amx_ready(), "prefill_attention: the kernel refused AMX tile state");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == q.scalar_type() &&
+              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "prefill_attention: bfloat16 tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.is_contiguous() && out.stride(2) == 1,
+              "prefill_attention: q (contiguous) and out must be (T, heads, head_dim)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 &&
+              k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
+              v_cache.sizes() == k_cache.sizes(), "prefill_attention: cache shape or strides do not fit q");
+  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= 256, "prefill_attention: head_dim must be a multiple of 32 up to 256");
+  const int64_t block_size = k_cache.size(1), ctx = start + n;
+  TORCH_CHECK(table.scalar_type() == torch::kInt && table.dim() == 1 && table.is_contiguous() &&
+              table.numel() * block_size >= ctx, "prefill_attention: table must be int32 blocks covering the context");
+  TORCH_CHECK(row >= 0 && n >= 1 && start >= 0 && row + n <= q.size(0), "prefill_attention: rows out of range");
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const int64_t tiles = (n + kTile - 1) / kTile, keys_pad = (ctx + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  const int64_t words = keys_pad * dim / 2;  // per KV head, keys and values alike
+  const auto* kc = k_cache.data_ptr<c10::BFloat16>();
+  const auto* vc = v_cache.data_ptr<c10::BFloat16>();
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+  std::vector<uint32_t> packed(kv_heads * words), vpairs(kv_heads * words);
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> offs(ctx);
+    for (int64_t kh = begin; kh < end; ++kh) {
+      row_offsets(offs.data(), table.data_ptr<int32_t>(), 0, ctx, block_size, k_cache.stride(0), k_cache.stride(1),
+                  kh * k_cache.stride(2));
+      pack_keys(kc, offs.data(), ctx, keys_pad, dim, packed.data() + kh * words);
+      pack_values(vc, offs.data(), ctx, keys_pad, dim, vpairs.data() + kh * words);
+    }
+  });
+  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    const TileConfig config;
+    _tile_loadconfig(&config);
+    std::vector<c10::BFloat16> qbuf(kTile * dim), probs;
+    std::vector<float> scores, acc(kTile * dim);
+    c10::BFloat16* orows[kTile];
+    int64_t keys[kTile];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / tiles, t0 = item % tiles * kTile, tn = std::min(kTile, n - t0);
+      const int64_t n_pad = (start + t0 + tn + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+      std::fill(qbuf.begin(), qbuf.end(), c10::BFloat16(0.f));
+      for (int64_t t = 0; t < kTile; ++t) {
+        const int64_t tt = std::min(t, tn - 1);  // rows past the chunk repeat its last (their output is dropped)
+        std::memcpy(qbuf.data() + t * dim, qp + ((row + t0 + tt) * heads + h) * dim, dim * 2);
+        orows[t] = op + (row + t0 + tt) * out.stride(0) + h * out.stride(1);
+        keys[t] = start + t0 + tt + 1;  // causal: a query sees keys up to its own position
+      }
+      scores.resize(kTile * n_pad);
+      probs.resize(kTile * n_pad);
+      const int64_t kh = h / group;
+      head_tile(qbuf.data(), keys, n_pad, dim, fscale, packed.data() + kh * words, vpairs.data() + kh * words,
+                scores.data(), probs.data(), acc.data(), orows, tn);
+    }
+    _tile_release();
+  });
+}
+#else
+bool prefill_available() { return false; }
+void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                       int64_t, double) {
+  TORCH_CHECK(false, "prefill_attention: this build has no AMX-BF16");
+}
+#endif
+
 // ---- fused elementwise ops (mirroring the torch reference's roundings) ----
 template <typename T>
 void rms_norm_row(T* x, const T* residual, const T* w, T* out, int64_t n, float eps) {
@@ -768,6 +958,8 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(torch::Tensor logits, torch
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store new keys and values into their paged-cache slots");
   m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over the paged cache, in place");
+  m.def("prefill_attention", &prefill_attention, "a bf16 prompt chunk's causal attention over the paged cache");
+  m.def("prefill_available", &prefill_available, "whether prefill_attention runs here (AMX-BF16, tile state granted)");
   m.def("rms_norm", &rms_norm, "RMSNorm (optionally after an in-place residual add)", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up projection");

@@ -113,6 +113,45 @@ def test_paged_attention_against_reference(kernels, dtype, heads, kv_heads, head
         assert (ours.float() - exact).abs().mean() <= (ref.float() - exact).abs().mean() * 1.05
 
 
+def _has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any("amx_bf16" in line for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+# Prompt chunks that fill several 16-token tiles and end mid-tile, from 0 and after a cached prefix (mid-block).
+PREFILL_STEP = [(0, 345), (100, 70), (5, 16), (0, 33), (250, 1)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (14, 2, 64), (8, 8, 128), (6, 2, 96)])
+def test_bf16_prefill_attention_on_amx_against_reference(kernels, heads, kv_heads, head_dim):
+    if not _has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16: bf16 prefill attention runs torch's SDPA")
+    assert kernels.k.prefill_available(), "the CPU has AMX-BF16 but the kernel cannot use it"
+    block_size, gen = 16, torch.Generator().manual_seed(5)
+    needs = [-(-(start + n) // block_size) for start, n in PREFILL_STEP]
+    layout = KVLayout(1, kv_heads, head_dim, block_size, "bfloat16")
+    cache = KVCache(layout, sum(needs) + 2)
+    cache.arena.copy_(torch.randn(cache.arena.shape, generator=gen))
+    meta = AttentionMetadata.build([SeqSlice(t, s, n) for t, (s, n) in
+                                    zip(_scattered(needs, cache.num_blocks, seed=6), PREFILL_STEP)], block_size, "cpu")
+    q = torch.randn(meta.num_tokens, heads, head_dim, generator=gen).bfloat16()
+    kv = torch.randn(meta.num_tokens, 2, kv_heads, head_dim, generator=gen).bfloat16()
+    ref_cache = cache.arena.clone()
+    ref = REFERENCE.paged_attention(q, kv[:, 0], kv[:, 1], ref_cache[:, 0, 0], ref_cache[:, 0, 1], meta,
+                                    head_dim**-0.5, None)
+    ours = kernels.paged_attention(q, kv[:, 0], kv[:, 1], *cache.layer(0), meta, head_dim**-0.5, None)
+    assert torch.equal(cache.arena, ref_cache)
+    torch.testing.assert_close(ours.float(), ref.float(), **TOL[torch.bfloat16])
+    exact_cache = ref_cache.float()
+    exact = REFERENCE.paged_attention(q.float(), kv[:, 0].float(), kv[:, 1].float(), exact_cache[:, 0, 0],
+                                      exact_cache[:, 0, 1], meta, head_dim**-0.5, None)
+    # both round the probabilities and the output to bf16: as close to the fp32 answer as SDPA, give or take
+    assert (ours.float() - exact).abs().mean() <= (ref.float() - exact).abs().mean() * 1.1
+
+
 def test_decode_attention_refuses_a_context_longer_than_its_table(kernels):
     cache = KVCache(KVLayout(1, 2, 64, 16, "float32"), 4)
     meta = AttentionMetadata.build([SeqSlice([0, 1], 20, 1)], 16, "cpu")
