@@ -83,10 +83,9 @@ def vllm_server(config: RaypdConfig, vllm_python: str, log_path: pathlib.Path, d
 @contextlib.contextmanager
 def raypd_serve(port: int):
     """A local Ray with HAProxy (as `raypd serve`) on 127.0.0.1:port, for the deployments measured one after another."""
-    from cluster.cli import use_haproxy, user_code_on_the_replica_loop
+    from cluster.cli import use_haproxy
 
-    use_haproxy()  # as `raypd serve` runs it (before Serve is imported: it reads the settings once)
-    user_code_on_the_replica_loop()
+    use_haproxy()  # as `raypd serve` runs it (before Serve is imported: it reads the setting once)
     import ray
     from ray import serve
 
