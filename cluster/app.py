@@ -40,8 +40,8 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=_START_TIMEOUT_S)  # all started
     routing = router_config(config.router.policy.value)
     extra = {"request_router_config": routing} if routing is not None else {}
-    prefill = serve.deployment(PrefillReplica, name="prefill").options(**config.prefill.deployment_options(), **extra)
-    decode = serve.deployment(DecodeReplica, name="decode").options(**config.decode.deployment_options(), **extra)
+    prefill = serve.deployment(PrefillReplica, name="prefill").options(**engine_role_options(config.prefill), **extra)
+    decode = serve.deployment(DecodeReplica, name="decode").options(**engine_role_options(config.decode), **extra)
     ingress_options = config.ingress.deployment_options()
     if "max_ongoing_requests" not in config.ingress.model_fields_set:
         # The ingress sheds load itself (429 at once): Serve must hand it every request, and /health, without a queue.
@@ -57,6 +57,16 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     return ingress.bind(ingress_config, prefill_app, decode.bind(config.model, config.engine_config(key, "decode"),
                                                                  postprocs),
                         config.http.api_key_value(), postprocs, encoder_app(config, key))
+
+
+def engine_role_options(role: Role) -> dict:
+    """A prefill or decode deployment's options. Its replicas run our code on the event loop that serves their calls:
+    Serve's default puts it on a second loop in a thread of its own, and every call and streamed item then crosses
+    between the two. Measured side by side at 16 streams: +11% output tok/s, -20% TTFT p50. The ingress keeps
+    Serve's default, so /health still answers within a second or two under a flood of requests it sheds."""
+    options = role.deployment_options()
+    options["ray_actor_options"]["runtime_env"] = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    return options
 
 
 def encoder_app(config: RaypdConfig, key: bytes):
