@@ -69,7 +69,8 @@ class Ingress:
         app.state.max_body_bytes = int(config.limits.max_body_bytes)  # read by EdgeGate before any parsing
         app.state.admission = self.admission
         self._local_prefill = LocalPrefill.for_config(config, colocated=prefill is None)  # fed by _look
-        self.owner = RequestOwner(ServeRoles(prefill, decode, encoder, config.router.transport), self.tokenizer, self.config.request_timeout_s,
+        roles = ServeRoles(prefill, decode, encoder, config.router.transport)
+        self.owner = RequestOwner(roles, self.tokenizer, self.config.request_timeout_s,
                                   local_prefill=self._local_prefill)
         self._lanes = self._open_lanes(postprocs)
         self.owner.lanes = self._lanes
