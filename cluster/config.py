@@ -283,7 +283,10 @@ class RaypdConfig(_Strict):
                                      "over NIXL and generate. colocated: decode replicas serve whole requests and "
                                      "the prefill role is not started (the baseline to compare against).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and KV dtype; auto: the checkpoint's own.")
+        "auto", description="Weights and KV dtype. auto: the checkpoint's own, except that a float32 checkpoint runs "
+                            "bfloat16 where the device computes bf16 natively (a CPU with AMX-BF16 or AVX512-BF16, "
+                            "a CUDA GPU), as vLLM serves it; each replica decides on its node, so on a cluster whose "
+                            "nodes differ set it explicitly. float32: exact parity with transformers.")
     engine: EngineSettings = Field(default_factory=EngineSettings,
                                    description="How every prefill and decode engine is built: KV pool, batching.")
     prefill: Role = Field(default_factory=Role, description="Prefill workers (context-only requests).")
@@ -367,7 +370,7 @@ class RaypdConfig(_Strict):
         from engine.encoder import EncoderConfig
 
         e, m = self.engine, self.multimodal
-        return EncoderConfig(dtype=None if self.dtype == "auto" else self.dtype, device=e.device,
+        return EncoderConfig(dtype=self.dtype, device=e.device,
                              num_threads=e.num_threads, cache_bytes=int(m.encoder_cache_bytes),
                              lease_s=m.embedding_lease_s, cluster_key=cluster_key)
 
@@ -384,7 +387,7 @@ class RaypdConfig(_Strict):
         if own is not None:
             pool = {"kv_cache_bytes": int(own)}
         return EngineConfig(block_size=e.block_size, max_num_batched_tokens=e.max_num_batched_tokens,
-                            max_num_seqs=e.max_num_seqs, dtype=None if self.dtype == "auto" else self.dtype,
+                            max_num_seqs=e.max_num_seqs, dtype=self.dtype,
                             device=e.device, num_threads=e.num_threads, seed=e.seed,
                             enable_prefix_caching=e.enable_prefix_caching, kv_lease_s=e.kv_lease_s,
                             kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key, **pool)

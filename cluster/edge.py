@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 
 from cluster.config import LimitsSettings, RaypdConfig
 from cluster.openai_format import error_body
-from engine.config import load_spec
+from engine.config import load_spec, run_dtype
 from engine.kv_cache import KVLayout
 from llmapi.sampling_params import SamplingParams
 
@@ -41,7 +41,7 @@ class EdgeLimits:
     def of(cls, config: RaypdConfig, tokenizer) -> "EdgeLimits":
         spec = load_spec(config.model)
         engine = config.engine_config()
-        dtype = engine.dtype or spec.checkpoint_dtype
+        dtype = run_dtype(engine.dtype, spec.checkpoint_dtype, engine.device)
         layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.block_size, dtype)
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         return cls(spec.vocab_size, spec.max_position_embeddings, engine.pool_blocks(layout), engine.block_size,

@@ -206,6 +206,39 @@ def _checkpoint_dtype(config, headers: dict[str, dict]) -> str:
     return "float32"
 
 
+def run_dtype(requested: str | None, checkpoint_dtype: str, device) -> str:
+    """The dtype a model is loaded in: requested, where None is the checkpoint's own (as transformers loads it) and
+    "auto" is auto_dtype's choice for this device."""
+    if requested == "auto":
+        return auto_dtype(checkpoint_dtype, device)
+    return requested or checkpoint_dtype
+
+
+def auto_dtype(checkpoint_dtype: str, device, cpu_flags: frozenset[str] | None = None) -> str:
+    """What a deployment's `dtype: auto` runs: the checkpoint's dtype, except that a float32 checkpoint runs bfloat16
+    where the device computes bf16 natively: a CUDA GPU with bf16, or a CPU with AMX-BF16 or AVX512-BF16 (there bf16
+    matmuls run 2-5x faster than fp32). vLLM and TensorRT-LLM serve float32 checkpoints in 16 bits the same way.
+    `dtype: float32` keeps exact parity with transformers. cpu_flags: this CPU's (/proc/cpuinfo) unless given."""
+    if checkpoint_dtype != "float32":
+        return checkpoint_dtype
+    kind = torch.device(device).type
+    if kind == "cuda":
+        native = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    elif kind == "cpu":
+        native = bool((cpu_flags if cpu_flags is not None else _cpu_flags()) & {"amx_bf16", "avx512_bf16"})
+    else:
+        native = False
+    return "bfloat16" if native else "float32"
+
+
+def _cpu_flags() -> frozenset[str]:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
 def safetensors_files(model_dir) -> list[pathlib.Path]:
     """The checkpoint's weight files: the shards the index names, else model.safetensors."""
     model_dir = pathlib.Path(model_dir)

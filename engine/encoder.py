@@ -22,7 +22,7 @@ from llmapi.disaggregated_params import MultimodalEmbeddingHandle
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    dtype: str | None = None  # None: the checkpoint's; must match the prefill engines' dtype
+    dtype: str | None = None  # None: the checkpoint's; "auto" as the engines; must match the prefill engines' dtype
     device: str = "cpu"
     num_threads: int | None = None
     cache_bytes: int = 256 << 20  # the arena: as many image slots as this holds

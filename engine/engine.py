@@ -32,7 +32,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 << 20
     max_num_batched_tokens: int = 2048  # per-step token budget; prompts longer than this are prefilled in chunks
     max_num_seqs: int = 64
-    dtype: str | None = None  # None: the checkpoint's dtype
+    dtype: str | None = None  # None: the checkpoint's dtype; "auto": engine.config.auto_dtype's choice
     device: str = "cpu"
     num_threads: int | None = None
     seed: int = 0  # for requests without a seed

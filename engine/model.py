@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.config import ModelSpec, load_spec
+from engine.config import ModelSpec, load_spec, run_dtype
 from engine.kernels import REFERENCE, TorchOps, apply_rope, select_ops, split_heads
 from engine.kv_cache import KVCache, KVLayout
 
@@ -156,7 +156,7 @@ class CausalLM(nn.Module):
         from engine.loader import load_weights  # the loader names this module's parameters
 
         spec = load_spec(model_dir)
-        dtype = dtype or spec.checkpoint_dtype
+        dtype = run_dtype(dtype, spec.checkpoint_dtype, device)
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
         ops = ops or select_ops(DTYPES[dtype], device)

@@ -20,7 +20,7 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 
-from engine.config import LLAVA_TEXT_PREFIX, MULTIMODAL_ARCHITECTURES, load_spec, read_safetensors_headers
+from engine.config import LLAVA_TEXT_PREFIX, MULTIMODAL_ARCHITECTURES, load_spec, read_safetensors_headers, run_dtype
 
 # vision_config.model_type -> our tower kind
 VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
@@ -270,7 +270,7 @@ class VisionEncoder(nn.Module):
         spec = load_vision_spec(model_dir)
         if spec is None:
             raise ValueError(f"{model_dir}: a text-only checkpoint has no vision tower")
-        dtype = dtype or spec.checkpoint_dtype
+        dtype = run_dtype(dtype, spec.checkpoint_dtype, device)
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
         with torch.device("meta"):  # no memory and no random init for weights about to be overwritten

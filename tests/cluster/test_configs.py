@@ -49,7 +49,7 @@ def test_local_config_is_the_single_node_default(workdir):
     assert all(getattr(config, role).resources == {} for role in ("prefill", "decode", "postproc", "ingress"))
     assert (config.http.host, config.http.port, config.http.api_key_value()) == ("127.0.0.1", 8000, None)
     engine = config.engine_config(cluster_key=b"k")
-    assert (engine.device, engine.num_threads, engine.cluster_key, engine.dtype) == ("cpu", 1, b"k", None)
+    assert (engine.device, engine.num_threads, engine.cluster_key, engine.dtype) == ("cpu", 1, b"k", "auto")
     assert config.decode.deployment_options()["num_replicas"] == 1
 
 

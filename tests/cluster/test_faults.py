@@ -42,7 +42,7 @@ def server(ray_cluster, tiny_llama):
     port = _free_port()
     role = {"replicas": 1, "num_cpus": 0}
     config = parse_config({
-        "model": tiny_llama, "served_model_name": "tiny",
+        "model": tiny_llama, "served_model_name": "tiny", "dtype": "float32",  # token-exact against the reference
         "engine": {"block_size": 4, "num_threads": 1, "kv_cache_bytes": "64MiB"},
         "prefill": role, "decode": role, "postproc": {**role, "replicas": 2}, "ingress": role,
         "limits": {"max_requests_in_flight": 48, "max_tokens_in_flight": 48 * 400},

@@ -34,7 +34,7 @@ def _free_port() -> int:
 def _config(model: str, port: int, **changes):
     role = {"replicas": 1, "num_cpus": 0}
     return parse_config({
-        "model": model, "served_model_name": "tiny",
+        "model": model, "served_model_name": "tiny", "dtype": "float32",  # token-exact against the embedded LLM
         "engine": {"block_size": BLOCK, "num_threads": 1, "kv_cache_bytes": "64MiB"},
         "prefill": {**role, "replicas": 2}, "decode": role, "postproc": {**role, "replicas": 2}, "ingress": role,
         "router": {"policy": "prefix_aware", "max_local_prefill_tokens": LOCAL_BELOW},

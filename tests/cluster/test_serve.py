@@ -33,7 +33,7 @@ def _free_port() -> int:
 def _config(model: str, port: int, decode_replicas: int = 1, prefill_replicas: int = 1):
     role = {"replicas": 1, "num_cpus": 0}
     return parse_config({
-        "model": model, "served_model_name": "tiny",
+        "model": model, "served_model_name": "tiny", "dtype": "float32",  # token-exact against the embedded LLM
         "engine": {"block_size": 4, "num_threads": 1, "kv_cache_bytes": "64MiB"},
         "prefill": {**role, "replicas": prefill_replicas}, "decode": {**role, "replicas": decode_replicas},
         "postproc": {**role, "replicas": 2},

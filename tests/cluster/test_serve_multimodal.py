@@ -40,9 +40,11 @@ def _free_port() -> int:
 
 
 def _config(model: str, port: int):
-    """configs/local.yaml with the test's model, port, key and smaller pools."""
+    """configs/local.yaml with the test's model, port, key and smaller pools, in float32: token-exact against the
+    embedded LLM."""
     raw = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
-    raw.update(model=model, served_model_name="tiny-llava", http={"host": "127.0.0.1", "port": port, "api_key": KEY})
+    raw.update(model=model, served_model_name="tiny-llava", dtype="float32")
+    raw.update(http={"host": "127.0.0.1", "port": port, "api_key": KEY})
     raw["engine"].update(block_size=4, kv_cache_bytes="32MiB")
     raw["multimodal"].update(max_image_bytes=MAX_IMAGE_BYTES, encoder_cache_bytes="4MiB")
     return parse_config(raw)

@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.attention import AttentionMetadata, SeqSlice
-from engine.config import SUPPORTED_ARCHITECTURES, load_spec
+from engine.config import SUPPORTED_ARCHITECTURES, auto_dtype, load_spec
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.tiny import build_tiny_model
@@ -195,6 +195,25 @@ def test_bf16_checkpoint_close_to_transformers(checkpoint):
     assert logits.dtype == torch.float32
     assert (logits - ref).abs().max() < 0.05 * ref.abs().max()  # identical today; bf16 leaves room to drift
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.85
+
+
+@pytest.mark.parametrize("checkpoint_dtype, device, flags, expected", [
+    ("float32", "cpu", {"avx512f", "amx_bf16", "amx_tile"}, "bfloat16"),  # Sapphire Rapids and later
+    ("float32", "cpu", {"avx512f", "avx512_bf16"}, "bfloat16"),  # Cooper Lake, Zen 4
+    ("float32", "cpu", {"avx2", "avx512f"}, "float32"),  # bf16 would be emulated: slower than fp32
+    ("bfloat16", "cpu", {"avx2"}, "bfloat16"),  # a 16-bit checkpoint always runs as written
+    ("float16", "cpu", {"amx_bf16"}, "float16"),
+])
+def test_auto_dtype_runs_fp32_checkpoints_in_bf16_only_where_the_cpu_computes_it(checkpoint_dtype, device, flags,
+                                                                                 expected):
+    assert auto_dtype(checkpoint_dtype, device, frozenset(flags)) == expected
+
+
+def test_dtype_auto_loads_what_auto_dtype_says_and_none_the_checkpoints(checkpoint):
+    path = checkpoint("fp32", arch="llama")
+    assert CausalLM.from_pretrained(path).dtype == torch.float32  # None: as transformers loads it
+    expected = auto_dtype("float32", "cpu")
+    assert str(CausalLM.from_pretrained(path, dtype="auto").dtype) == f"torch.{expected}"
 
 
 def _copy(src, dst):
