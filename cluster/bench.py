@@ -34,6 +34,9 @@ get place made live where after back little only round man year came show every 
 just form great think say help low line differ turn cause much mean before move right boy old too same tell does set
 three want air well also play small end put home read hand port large spell add even land here must big""".split())
 
+# Warm-up requests come from the workload of seed + this: they must not put the measured prompts in a prefix cache.
+_WARMUP_SEED = 104729
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -242,7 +245,7 @@ async def arun_benchmark(config: BenchConfig) -> BenchResult:
     async with httpx.AsyncClient(base_url=config.base_url.rstrip("/") + "/", headers=headers, trust_env=False,
                                  timeout=httpx.Timeout(config.request_timeout_s),
                                  limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as client:
-        for spec in specs[: config.num_warmups]:
+        for spec in make_workload(replace(config, seed=config.seed + _WARMUP_SEED))[: config.num_warmups]:
             await _send(client, config, spec)
         gate = asyncio.Semaphore(limit)
         start = time.perf_counter()

@@ -6,11 +6,12 @@ disaggregated deployment (`make serve`) and `mode: colocated`, one system at a t
                                   [--systems vllm,disaggregated,colocated] [--dtype bfloat16]
                                   [--plot FILE.png] [--json FILE]
 
-The client is `raypd bench`'s (cluster.bench), the same seeded prompts for every system; results print side by side
-(TTFT / TPOT / ITL / E2E percentiles, throughput). vLLM is stopped before raypd's Ray starts. Without --dtype each
-system keeps its own default, and they differ: vLLM serves a fp32 checkpoint in bf16 on CPU, raypd's `dtype: auto`
-keeps fp32. --dtype runs both in that dtype (like against like). `make bench-peers`
-creates vLLM's venv (see ../shared/BENCH.md for what it needs on this machine).
+The client is `raypd bench`'s (cluster.bench), the same seeded prompts for every system, other prompts at each
+concurrency (none found cached from the run before); results print side by side (TTFT / TPOT / ITL / E2E
+percentiles, throughput). vLLM is stopped before raypd's Ray starts. Without --dtype each system keeps its own
+default: on a CPU with AMX-BF16 both serve a fp32 checkpoint in bf16 (raypd's `dtype: auto`, engine.config.auto_dtype).
+--dtype runs both in that dtype. `make bench-peers` creates vLLM's venv (see ../shared/BENCH.md for what it needs on
+this machine).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def raypd_app(config: RaypdConfig, mode: str):
 def measure(label: str, base: str, bench: BenchConfig, concurrencies: list[int], api_key: str | None,
             results: dict[str, BenchResult]) -> None:
     for c in concurrencies:
-        config = dataclasses.replace(bench, base_url=base, concurrency=c, api_key=api_key)
+        # Each concurrency its own prompts (the same for every system): a run must not find the last one's cached.
+        config = dataclasses.replace(bench, base_url=base, concurrency=c, api_key=api_key, seed=bench.seed + c)
         result = run_benchmark(config)
         results[f"{label}, c={c}"] = result
         print(f"  {label} c={c}: {result.output_throughput:.0f} tok/s, TTFT p50 "
