@@ -22,7 +22,9 @@ from ray.serve.request_router import RequestRouter
 from cluster.routing_policy import ReplicaState, prompt_block_keys, uncached_tokens
 
 ROUTING_STATS_PERIOD_S = 0.5
-_SENT_TTL_S = 4 * ROUTING_STATS_PERIOD_S  # a prompt sent this recently may not be in its replica's report yet
+# A prompt's blocks count as cached where it was sent until a report of that replica shows them. Reports reach the
+# routers through the Serve controller, seconds late on a busy machine; past this the blocks are taken for evicted.
+_SENT_KEYS_TTL_S = 30.0
 
 
 def _request_prompt(pending_request) -> tuple[list[int], str | None]:
@@ -39,7 +41,9 @@ class _Sent:
 
     def __init__(self):
         self._requests: dict[str, tuple[str, int]] = {}  # request's internal id -> (replica id, tokens)
-        self._reports: dict[str, int] = {}  # replica id -> id() of its latest report
+        # replica id -> its latest report, the object itself: a bare id() may be handed to a later report once the
+        # one it named is freed, and that report would then pass for a seen one (its Bloom filter and load unread).
+        self._reports: dict[str, object] = {}
 
     def add(self, replica: str, pending_request, tokens: int) -> None:
         self._requests[_internal_id(pending_request)] = (replica, tokens)
@@ -49,9 +53,9 @@ class _Sent:
 
     def report(self, replica: str, stats) -> bool:
         """Notes the replica's current report; True (and forgets what was sent before it) when it is a new one."""
-        if self._reports.get(replica) == id(stats):
+        if self._reports.get(replica) is stats:
             return False
-        self._reports[replica] = id(stats)
+        self._reports[replica] = stats
         self._requests = {k: v for k, v in self._requests.items() if v[0] != replica}
         return True
 
@@ -86,14 +90,14 @@ class LeastQueuedTokensRouter(RequestRouter):
 class PrefixAwareRouter(RequestRouter):
     """Sends each prompt where it costs least: its uncached tokens there plus the replica's load (ties to the one
     that reuses more, then at random, so an idle pool spreads work). What is in flight to a replica counts as load
-    until its next report, as the tokens it must compute there; the blocks of prompts sent in the last _SENT_TTL_S
-    count as cached there (they will be by the time a follow-up runs), so a burst of one conversation stays
-    together."""
+    until its next report, as the tokens it must compute there; the blocks of prompts sent there count as cached
+    there until a report shows them (they will be by the time a follow-up runs), so a burst of one conversation
+    stays together however late the reports come."""
 
     def initialize_state(self, **kwargs) -> None:
         self._states: dict[str, ReplicaState | None] = {}  # replica id -> its latest report, parsed
         self._sent = _Sent()
-        self._sent_keys: dict[str, list[tuple[float, frozenset[bytes]]]] = {}  # replica id -> (when, block keys)
+        self._sent_keys: dict[str, list[tuple[float, frozenset[bytes], bytes]]] = {}  # replica -> (when, keys, last)
         self._rng = random.Random()
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
@@ -109,7 +113,8 @@ class PrefixAwareRouter(RequestRouter):
         if ranked and pending_request is not None:
             best = str(ranked[0].replica_id)
             self._sent.add(best, pending_request, work[best][0])
-            self._sent_keys.setdefault(best, []).append((now, frozenset(keys)))
+            if keys:
+                self._sent_keys.setdefault(best, []).append((now, frozenset(keys), keys[-1]))
         return [[r] for r in ranked]
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
@@ -118,18 +123,20 @@ class PrefixAwareRouter(RequestRouter):
     def _state(self, replica) -> ReplicaState | None:
         key, stats = str(replica.replica_id), replica.routing_stats
         if self._sent.report(key, stats) or key not in self._states:
-            self._states[key] = ReplicaState.from_stats(stats)
+            state = self._states[key] = ReplicaState.from_stats(stats)
+            if state is not None:  # what this report shows cached need not be remembered any longer
+                self._sent_keys[key] = [sent for sent in self._sent_keys.get(key, ()) if sent[2] not in state.summary]
         return self._states[key]
 
     def _work(self, replica: str, state: ReplicaState | None, keys: list[bytes], num_tokens: int,
               now: float) -> tuple[int, int]:
         """(prompt tokens the replica would compute, its load in tokens); their sum is its cost."""
-        recent = [(t, k) for t, k in self._sent_keys.get(replica, ()) if now - t < _SENT_TTL_S]
+        recent = [sent for sent in self._sent_keys.get(replica, ()) if now - sent[0] < _SENT_KEYS_TTL_S]
         self._sent_keys[replica] = recent
         pending = self._sent.tokens(replica)
         if state is None:  # not reported yet: only what this router sent it is known
             return num_tokens, pending
-        uncached = uncached_tokens(state, keys, num_tokens, frozenset().union(*(k for _, k in recent)))
+        uncached = uncached_tokens(state, keys, num_tokens, frozenset().union(*(sent[1] for sent in recent)))
         return uncached, state.load_tokens + pending
 
 

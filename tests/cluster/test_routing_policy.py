@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -159,6 +160,25 @@ def test_prefix_aware_router_keeps_a_burst_together_before_any_report():
     assert _route(router, [a, b], _request(follow))[0] == chosen
     # an unrelated prompt goes to the other, less loaded replica
     assert _route(router, [a, b], _request(_tokens(50, seed=18)))[0] != chosen
+
+
+def test_a_sent_prompt_counts_as_cached_there_until_a_report_shows_it(monkeypatch):
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router.initialize_state()
+    a, b = _replica("a", _state([]).to_stats()), _replica("b", _state([]).to_stats())
+    first = _tokens(300, seed=23)
+    chosen = _route(router, [a, b], _request(first, internal_id="f"))[0]
+    router.on_request_completed(chosen, "f")
+    clock = time.monotonic() + 10  # the reports lag (Serve's controller on a busy machine): both still empty
+    monkeypatch.setattr("cluster.request_router.time.monotonic", lambda: clock)
+    follow = first + _tokens(8, seed=24)
+    assert _route(router, [a, b], _request(follow, internal_id="g"))[0] == chosen
+    router.on_request_completed(chosen, "g")
+    # a report that shows the blocks takes over from the router's memory of them
+    holder = a if chosen == "a" else b
+    holder.routing_stats = _state([first]).to_stats()
+    assert _route(router, [a, b], _request(first + _tokens(8, seed=25)))[0] == chosen
+    assert all(when == clock for when, _, _ in router._sent_keys[chosen])  # the first prompt's entry is let go
 
 
 def test_in_flight_tokens_count_until_the_request_completes():
