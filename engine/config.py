@@ -225,13 +225,14 @@ def auto_dtype(checkpoint_dtype: str, device, cpu_flags: frozenset[str] | None =
     if kind == "cuda":
         native = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
     elif kind == "cpu":
-        native = bool((cpu_flags if cpu_flags is not None else _cpu_flags()) & {"amx_bf16", "avx512_bf16"})
+        native = bool((cpu_flags if cpu_flags is not None else this_cpu_flags()) & {"amx_bf16", "avx512_bf16"})
     else:
         native = False
     return "bfloat16" if native else "float32"
 
 
-def _cpu_flags() -> frozenset[str]:
+def this_cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:
             if line.startswith(("flags", "Features")):

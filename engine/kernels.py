@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention, prefill_attention
+from engine.config import this_cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -157,13 +158,7 @@ def cpu_kernels():
 
 def _cpu_tag() -> str:
     """-march=native binds a build to this CPU's instruction sets: they are part of its cache key."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return hashlib.sha256(" ".join(sorted(this_cpu_flags())).encode()).hexdigest()[:12]
 
 
 def _ninja_on_path() -> None:
