@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Callable
 
 import ray
@@ -30,7 +31,7 @@ class OwnerLanes:
     def __init__(self, postprocs: list, on_output: Callable[[Output], None], loop: asyncio.AbstractEventLoop,
                  host: str):
         self.postprocs = list(postprocs)
-        self.lane = Lane(lambda out: loop.call_soon_threadsafe(on_output, out), host=host)
+        self.lane = Lane(ToLoop(loop, on_output), host=host)
         addrs = ray.get([p.pull_pipe_addr.remote() for p in self.postprocs], timeout=_START_S)
         self._addrs: list[PipeAddr] = [tuple(a) for a in addrs]  # each worker instance's pipe: its identity
         self._lanes: list[int | None] = ray.get([p.add_lane.remote(self.lane.addr) for p in self.postprocs],
@@ -83,3 +84,31 @@ class OwnerLanes:
 
     def close(self) -> None:
         self.lane.close()
+
+
+class ToLoop:
+    """Hands outputs from the lane's thread to the owner's event loop, in order, with one wakeup of the loop per
+    burst: at 16 streams a step's outputs arrive together, and a wakeup each (a self-pipe write, a loop iteration)
+    cost more than delivering them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[Output], None]):
+        self._loop = loop
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._pending: list[Output] = []
+
+    def __call__(self, out: Output) -> None:
+        with self._lock:
+            self._pending.append(out)
+            if len(self._pending) > 1:
+                return  # a flush is already scheduled and will take this one too
+        self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            outputs, self._pending = self._pending, []
+        for out in outputs:
+            try:
+                self._deliver(out)
+            except Exception:  # one bad delivery must not drop the rest of the burst
+                log.exception("delivering the output of request %s failed", out.client_id)

@@ -25,19 +25,16 @@ class Piece:
 
 async def pieces(results: list[RequestOutput]) -> AsyncIterator[Piece]:
     """The pieces of several streaming results, in the order their steps arrive."""
+    if len(results) == 1:  # most requests: no pump task and queue hop per token
+        async for piece in _pieces_of(0, results[0]):
+            yield piece
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, result: RequestOutput) -> None:
-        ended: set[int] = set()
         try:
-            async for step in result:
-                for out in step.outputs:
-                    ends = out.finished and out.index not in ended
-                    if out.text_diff or out.token_ids_diff or ends:
-                        ended.update([out.index] if ends else [])
-                        lps = list(out.logprobs_diff) if out.logprobs is not None else None
-                        await queue.put(Piece(i, out.index, out.text_diff, list(out.token_ids_diff), lps,
-                                              out.finish_reason if ends else None))
+            async for piece in _pieces_of(i, result):
+                await queue.put(piece)
         except BaseException as exc:  # handed to the consumer, which raises it
             await queue.put(exc)
         await queue.put(None)
@@ -56,6 +53,19 @@ async def pieces(results: list[RequestOutput]) -> AsyncIterator[Piece]:
     finally:
         for p in pumps:
             p.cancel()
+
+
+async def _pieces_of(prompt: int, result: RequestOutput) -> AsyncIterator[Piece]:
+    """One result's pieces, step by step: what each choice got (a choice's end once)."""
+    ended: set[int] = set()
+    async for step in result:
+        for out in step.outputs:
+            ends = out.finished and out.index not in ended
+            if out.text_diff or out.token_ids_diff or ends:
+                ended.update([out.index] if ends else [])
+                lps = list(out.logprobs_diff) if out.logprobs is not None else None
+                yield Piece(prompt, out.index, out.text_diff, list(out.token_ids_diff), lps,
+                            out.finish_reason if ends else None)
 
 
 def event(body: dict) -> str:

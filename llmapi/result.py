@@ -66,8 +66,13 @@ class GenerationResult:
         """Hands one step (or a failure) to the result; thread-safe."""
         self._queue.put(item)
         waker = self._waker
-        if waker is not None:
-            waker[0].call_soon_threadsafe(waker[1].set)
+        if waker is None:
+            return
+        loop, event = waker
+        if asyncio._get_running_loop() is loop:
+            event.set()  # on the waiter's own loop (a frontend's owner): no self-pipe write and second wakeup
+        else:
+            loop.call_soon_threadsafe(event.set)
 
     # ---- reference API properties ----
     @property
