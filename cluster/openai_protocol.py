@@ -135,7 +135,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] = Field(description="A prompt, a token id list, or several prompts.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="A prompt, a token id list, several prompts, or several token id lists (OpenAI's four forms).")
     max_tokens: int | None = Field(16, ge=1, description="Most tokens to generate per choice.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Top log-probabilities per token (0-5).")
     echo: bool = Field(False, description="Prepend the prompt to each choice's text (and, with logprobs, the "
@@ -144,12 +145,12 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, value):
-        if not value or (isinstance(value, list) and isinstance(value[0], str) and not all(value)):
+        if not value or (isinstance(value, list) and isinstance(value[0], (str, list)) and not all(value)):
             raise ValueError("must not be empty")
         return value
 
     def prompts(self) -> list[str | list[int]]:
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
             return list(self.prompt)
         return [self.prompt]
 

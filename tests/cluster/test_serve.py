@@ -161,6 +161,10 @@ def test_bad_requests_get_clear_4xx_and_the_server_stays_healthy(server, client)
         client.completions.create(model="tiny", prompt=[5] * 2000, max_tokens=100)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny", prompt="x", temperature=7)
+    with pytest.raises(openai.BadRequestError, match="prompt: must not be empty"):
+        client.completions.create(model="tiny", prompt=[[5, 6], []], max_tokens=2)  # a batch of token id lists
+    with pytest.raises(openai.BadRequestError, match="out of range"):
+        client.completions.create(model="tiny", prompt=[[5, 6], [10**9]], max_tokens=2)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: .* is text-only"):
         client.chat.completions.create(model="tiny", max_tokens=2, messages=[
