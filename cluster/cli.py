@@ -52,9 +52,10 @@ def _validate(args: argparse.Namespace) -> int:
               f"each; image URLs: {urls}")
     else:
         print("  encoder: not started (the model has no vision tower)")
-    local = config.router.max_local_prefill_tokens
+    local, backlog = config.router.max_local_prefill_tokens, config.router.max_prefill_backlog_tokens
     print(f"  router {config.router.policy.value}"
-          f"{f', prompts under {local} uncached tokens prefill on their decode replica' if local else ''}; "
+          f"{f', prompts under {local} uncached tokens prefill on their decode replica' if local else ''}"
+          f"{f', prompts prefill on their decode replica while {backlog}+ tokens wait at prefill' if backlog else ''}; "
           f"http {config.http.host}:{config.http.port}"
           f"{' (API key required)' if config.http.api_key_value() else ''}")
     return 0

@@ -214,6 +214,11 @@ class RouterSettings(_Strict):
         0, ge=0, description="Conditional disaggregation: a prompt with fewer tokens than this left to compute "
                              "after the best prefix-cache hit on a decode replica is prefilled on the decode replica "
                              "(no prefill hop, no KV transfer); longer ones on a prefill replica. 0: always remote.")
+    max_prefill_backlog_tokens: int = Field(
+        0, ge=0, description="Conditional disaggregation by load: while this ingress replica's prompts waiting for "
+                             "their first token at prefill replicas hold at least this many tokens, a new prompt is "
+                             "prefilled on its decode replica instead (a burst's prompts share both roles' cores). "
+                             "Counted per ingress replica. 0: never for this reason.")
     transport: Literal["grpc", "ray"] = Field(
         "grpc", description="How the ingress calls the encoder, prefill and decode replicas: grpc (Serve's "
                             "inter-deployment gRPC server that every replica runs, on a port the OS picks; about half "

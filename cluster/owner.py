@@ -97,10 +97,11 @@ class _Serving:
 class RequestOwner:
     """lanes: with them, decoded tokens come back through the postproc workers (detokenized there) to on_output();
     without, the owner post-processes the decode stream itself. local_prefill: conditional disaggregation
-    (cluster/local_prefill.py): True for a request to serve whole on a decode replica (no KV transfer)."""
+    (cluster/local_prefill.py): called with a request and the prompt tokens of this owner's requests waiting at
+    prefill replicas; True to serve the request whole on a decode replica (no KV transfer)."""
 
     def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: Lanes | None = None,
-                 local_prefill: Callable[[RequestOutput], bool] | None = None):
+                 local_prefill: Callable[[RequestOutput, int], bool] | None = None):
         self.roles = roles
         self.local_prefill = local_prefill
         self.tokenizer = tokenizer
@@ -111,6 +112,7 @@ class RequestOwner:
         self._serving: dict[int, _Serving] = {}  # result id -> state
         self._via_lane: dict[int, tuple[_Serving, asyncio.Future]] = {}  # engine id -> state, final output
         self.counters = {"resumed": 0, "prefill_lost": 0, "local_prefill": 0}
+        self._prefill_backlog = 0  # prompt tokens of this owner's requests waiting at prefill replicas
         self._loop: asyncio.AbstractEventLoop | None = None  # the owner's event loop: all its state lives there
 
     def create(self, prompt: str | list[int], params: SamplingParams, streaming: bool = False, text: str | None = None,
@@ -162,15 +164,21 @@ class RequestOwner:
     async def _serve(self, s: _Serving) -> None:
         params = None
         if not self.roles.colocated and not self._local(s):
-            params = await self._prefill(s)
+            tokens = len(s.result.prompt_token_ids)
+            self._prefill_backlog += tokens
+            try:
+                params = await self._prefill(s)
+            finally:
+                self._prefill_backlog -= tokens
             if params is False:
                 return
         await self._decode(s, params)  # params None: whole on a decode worker
 
     def _local(self, s: _Serving) -> bool:
-        """Conditional disaggregation: a prompt with little left to prefill after its best prefix hit is served whole
-        on a decode worker, the path a lost prefill role takes too."""
-        if self.local_prefill is None or not self.local_prefill(s.result):
+        """Conditional disaggregation: a prompt with little left to prefill after its best prefix hit, or one that
+        arrives while the prefill role is backed up, is served whole on a decode worker, the path a lost prefill role
+        takes too."""
+        if self.local_prefill is None or not self.local_prefill(s.result, self._prefill_backlog):
             return False
         self.counters["local_prefill"] += 1
         return True

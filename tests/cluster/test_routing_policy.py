@@ -122,6 +122,28 @@ def test_local_prefill_decides_from_the_decode_entries_the_watch_hands_it():
     assert not local(follow_up)
 
 
+def test_a_backed_up_prefill_role_sends_new_prompts_to_their_decode_replica():
+    prompt = SimpleNamespace(prompt_token_ids=_tokens(100, seed=13), sampling_params=SamplingParams())
+    by_load = LocalPrefill(0, max_prefill_backlog_tokens=512)
+    assert not by_load(prompt, 511)  # under the threshold: remote
+    choice = by_load.choose(prompt, 512)
+    assert choice.local and choice.why == "backlog" and choice.tokens_to_prefill == 100
+    both = LocalPrefill(32, max_prefill_backlog_tokens=512)
+    short = SimpleNamespace(prompt_token_ids=_tokens(10, seed=14), sampling_params=SamplingParams())
+    assert both.choose(short, 0).why == "short"  # the length rule still holds with nothing waiting
+    assert not LocalPrefill(32)(prompt, 10_000)  # 0: the backlog never decides
+
+
+def test_backlog_rule_turns_conditional_disaggregation_on_by_itself():
+    def config(local: int, backlog: int):
+        return SimpleNamespace(router=SimpleNamespace(max_local_prefill_tokens=local,
+                                                      max_prefill_backlog_tokens=backlog))
+
+    assert LocalPrefill.for_config(config(0, 0), colocated=False) is None
+    assert LocalPrefill.for_config(config(0, 2048), colocated=False).max_prefill_backlog_tokens == 2048
+    assert LocalPrefill.for_config(config(0, 2048), colocated=True) is None  # colocated: everything is local
+
+
 def _replica(name: str, stats: dict | None):
     return SimpleNamespace(replica_id=name, routing_stats=stats)
 

@@ -1,6 +1,6 @@
 """Routing on a real Serve application: prefix-aware routing across two prefill replicas, conditional
-disaggregation (short prompts prefill on the decode replica, without a KV transfer), and the SLO autoscaling policy
-scaling a role on its own signal."""
+disaggregation (short prompts, and prompts arriving while the prefill role is backed up, prefill on the decode
+replica, without a KV transfer), and the SLO autoscaling policy scaling a role on its own signal."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 import ray
@@ -19,7 +20,7 @@ from cluster.config import parse_config
 from cluster.directory import Directory
 from llmapi import LLM, SamplingParams
 
-APP, SCALE_APP = "raypd-route", "raypd-scale"
+APP, SCALE_APP, BURST_APP = "raypd-route", "raypd-scale", "raypd-burst"
 BLOCK = 4
 LOCAL_BELOW = 24  # router.max_local_prefill_tokens
 MAX_TOKENS = 8
@@ -48,7 +49,7 @@ def server(ray_cluster, tiny_llama):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_from_config(_config(tiny_llama, port)), name=APP, route_prefix="/route")
     yield port
-    for app in (APP, SCALE_APP):
+    for app in (APP, SCALE_APP, BURST_APP):
         serve.delete(app)
     serve.shutdown()
     for i in range(2):  # the postproc workers are detached: they outlive the app unless killed
@@ -176,3 +177,20 @@ def test_a_batch_of_prompts_is_routed_call_by_call(client, reference):
                                     extra_body={"ignore_eos": True}, timeout=30)
     texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
     assert texts == [_expected(reference, p) for p in prompts]
+
+
+def test_prompts_arriving_while_others_wait_at_prefill_prefill_on_the_decode_replica(server, reference, tiny_llama):
+    # A threshold of one token: while any prompt of this ingress waits at a prefill replica, a new one is prefilled
+    # on its decode replica. A batch's prompts start one after another on the owner's loop, so the first goes to
+    # prefill and the rest, arriving while it waits there, are served whole on decode.
+    config = _config(tiny_llama, server, router={"policy": "least_queued_tokens", "max_prefill_backlog_tokens": 1})
+    serve.run(build_from_config(config), name=BURST_APP, route_prefix="/burst")
+    burst = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/burst/v1", api_key="unused", timeout=60,
+                          max_retries=0)
+    prompts = [_tokens(40, seed=600 + i) for i in range(4)]
+    got = burst.completions.create(model="tiny", prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
+                                   extra_body={"ignore_eos": True}, timeout=60)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [_expected(reference, p) for p in prompts]
+    metrics = httpx.get(f"http://127.0.0.1:{server}/burst/metrics", timeout=10).text
+    assert 'raypd_kv{role="ingress",what="local_prefill"} 3.0' in metrics
+    serve.delete(BURST_APP)

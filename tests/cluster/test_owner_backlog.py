@@ -1,0 +1,105 @@
+"""The request owner's prefill backlog, which conditional disaggregation by load weighs (router.max_prefill_backlog_
+tokens): counted while a prompt waits at a prefill replica, released however its prefill call ends. The roles here
+are plain async generators standing in for the deployments; the owner, its records and LocalPrefill are the real
+ones."""
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from cluster.local_prefill import LocalPrefill
+from cluster.owner import NotAccepted, RequestOwner
+from decode.worker import Accepted
+from llmapi.outputs import EngineResponse, TokenDelta
+from llmapi.sampling_params import SamplingParams
+
+CONTROL = ("tcp://127.0.0.1:9", None)  # never written to: nothing here is aborted
+
+
+def _last_token(request_id: int) -> EngineResponse:
+    return EngineResponse(request_id, (TokenDelta(0, (5,), -0.5, finish_reason="length"),), finished=True)
+
+
+class Roles:
+    colocated = False
+
+    def __init__(self):
+        self.release_prefill = asyncio.Event()
+        self.calls: list[tuple[str, int]] = []
+        self.prefill_down = False
+
+    async def encode(self, result, images):
+        raise AssertionError("no images here")
+
+    async def prefill(self, request_id, result, images=None):
+        self.calls.append(("prefill", request_id))
+        if self.prefill_down:
+            raise NotAccepted("no replica took the call")
+        yield Accepted(CONTROL)
+        await self.release_prefill.wait()
+        yield _last_token(request_id)  # its only candidate ended with the first token: nothing to decode
+
+    async def generate(self, role, request_id, result, params, resume):
+        assert params is None  # a whole request: prefilled where it decodes
+        self.calls.append((role, request_id))
+        yield Accepted(CONTROL)
+        yield _last_token(request_id)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def _submit(owner: RequestOwner, n_tokens: int):
+    result, record = owner.create(list(range(10, 10 + n_tokens)), SamplingParams(max_tokens=1))
+    return result, asyncio.ensure_future(owner.run(result, record))
+
+
+def test_prompts_arriving_while_the_prefill_role_is_backed_up_prefill_on_decode(tokenizer):
+    async def main():
+        roles = Roles()
+        seen = []
+        policy = LocalPrefill(0, max_prefill_backlog_tokens=100)
+
+        def local(result, backlog):
+            seen.append(backlog)
+            return policy(result, backlog)
+
+        owner = RequestOwner(roles, tokenizer, request_timeout_s=30, local_prefill=local)
+        a, run_a = _submit(owner, 120)  # nothing waiting: sent to prefill, where it waits
+        await asyncio.sleep(0.01)
+        b, run_b = _submit(owner, 30)  # 120 tokens wait at prefill: prefilled on decode
+        await asyncio.wait_for(run_b, 5)
+        roles.release_prefill.set()
+        await asyncio.wait_for(run_a, 5)
+        c, run_c = _submit(owner, 30)  # a's prefill ended: nothing waits any more
+        await asyncio.wait_for(run_c, 5)
+        for r in (a, b, c):
+            await r.aresult(timeout=5)
+        return roles.calls, seen, owner, (a, b, c)
+
+    calls, seen, owner, results = asyncio.run(main())
+    a, b, c = (r.request_id for r in results)
+    assert seen == [0, 120, 0]
+    assert calls == [("prefill", a), ("decode", b), ("prefill", c)]
+    assert owner.counters["local_prefill"] == 1 and owner._prefill_backlog == 0
+    assert all(r.finished and r.outputs[0].token_ids == [5] for r in results)
+
+
+def test_a_prefill_call_that_fails_releases_its_backlog(tokenizer):
+    async def main():
+        roles = Roles()
+        roles.prefill_down = True
+        owner = RequestOwner(roles, tokenizer, request_timeout_s=30,
+                             local_prefill=LocalPrefill(0, max_prefill_backlog_tokens=1000))
+        result, run = _submit(owner, 50)
+        await asyncio.wait_for(run, 5)
+        await result.aresult(timeout=5)
+        return roles.calls, owner, result
+
+    calls, owner, result = asyncio.run(main())
+    assert calls == [("prefill", result.request_id), ("decode", result.request_id)]  # served whole after the loss
+    assert owner.counters["prefill_lost"] == 1 and owner._prefill_backlog == 0
+    assert result.finished and result.outputs[0].token_ids == [5]
