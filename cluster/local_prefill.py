@@ -34,7 +34,7 @@ class LocalPrefill:
         choice = choose_prefill(result.prompt_token_ids, result.sampling_params.cache_salt, self._states,
                                 self.max_local_prefill_tokens)
         if not choice.local and 0 < self.max_prefill_backlog_tokens <= backlog_tokens:
-            return PrefillChoice(True, choice.tokens_to_prefill, "backlog")
+            return PrefillChoice(True, choice.tokens_to_prefill)
         return choice
 
     def __call__(self, result: RequestOutput, backlog_tokens: int = 0) -> bool:

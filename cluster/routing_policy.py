@@ -144,7 +144,6 @@ def replica_cost(state: ReplicaState, keys: list[bytes], num_tokens: int, pendin
 class PrefillChoice:
     local: bool  # prefill on the decode replica (no KV transfer); else on a prefill replica
     tokens_to_prefill: int  # prompt tokens the best decode replica would compute after its cache hit
-    why: str = "short"  # local because little is left to compute ("short") or the prefill role is backed up
 
 
 def choose_prefill(prompt_token_ids: list[int], cache_salt: str | None, decode_states: list[ReplicaState],

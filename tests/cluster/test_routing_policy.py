@@ -127,10 +127,10 @@ def test_a_backed_up_prefill_role_sends_new_prompts_to_their_decode_replica():
     by_load = LocalPrefill(0, max_prefill_backlog_tokens=512)
     assert not by_load(prompt, 511)  # under the threshold: remote
     choice = by_load.choose(prompt, 512)
-    assert choice.local and choice.why == "backlog" and choice.tokens_to_prefill == 100
+    assert choice.local and choice.tokens_to_prefill == 100
     both = LocalPrefill(32, max_prefill_backlog_tokens=512)
     short = SimpleNamespace(prompt_token_ids=_tokens(10, seed=14), sampling_params=SamplingParams())
-    assert both.choose(short, 0).why == "short"  # the length rule still holds with nothing waiting
+    assert both(short, 0) and not both(prompt, 0)  # the length rule still decides with nothing waiting
     assert not LocalPrefill(32)(prompt, 10_000)  # 0: the backlog never decides
 
 
