@@ -52,13 +52,22 @@ def _validate(args: argparse.Namespace) -> int:
               f"each; image URLs: {urls}")
     else:
         print("  encoder: not started (the model has no vision tower)")
-    local, backlog = config.router.max_local_prefill_tokens, config.router.max_prefill_backlog_tokens
-    print(f"  router {config.router.policy.value}"
-          f"{f', prompts under {local} uncached tokens prefill on their decode replica' if local else ''}"
-          f"{f', prompts prefill on their decode replica while {backlog}+ tokens wait at prefill' if backlog else ''}; "
+    print(f"  router {_describe_router(config.router)}; "
           f"http {config.http.host}:{config.http.port}"
           f"{' (API key required)' if config.http.api_key_value() else ''}")
     return 0
+
+
+def _describe_router(router) -> str:
+    rules = [router.policy.value]
+    if router.max_local_prefill_tokens:
+        rules.append(f"prompts under {router.max_local_prefill_tokens} uncached tokens prefill on their decode replica")
+    if router.max_prefill_backlog_tokens:
+        rules.append(f"prompts prefill on their decode replica while {router.max_prefill_backlog_tokens}+ tokens wait "
+                     "at prefill")
+    if router.local_prefill_when_idle:
+        rules.append("a prompt arriving at an idle ingress prefills on its decode replica")
+    return ", ".join(rules)
 
 
 def _describe_role(role: Role) -> str:

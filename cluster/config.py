@@ -219,6 +219,11 @@ class RouterSettings(_Strict):
                              "their first token at prefill replicas hold at least this many tokens, a new prompt is "
                              "prefilled on its decode replica instead (a burst's prompts share both roles' cores). "
                              "Counted per ingress replica. 0: never for this reason.")
+    local_prefill_when_idle: bool = Field(
+        False, description="Conditional disaggregation when idle: a prompt that arrives while its ingress replica "
+                           "serves no other request is prefilled on its decode replica (no decode step of its "
+                           "to hold up; it skips the prefill hop, the KV transfer and a prefill engine gone cold). "
+                           "Other ingress replicas' requests are not seen.")
     transport: Literal["grpc", "ray"] = Field(
         "grpc", description="How the ingress calls the encoder, prefill and decode replicas: grpc (Serve's "
                             "inter-deployment gRPC server that every replica runs, on a port the OS picks; about half "

@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from cluster.control import ControlClient
+from cluster.local_prefill import OwnerLoad
 from decode.worker import Abort, Accepted, Done, PostprocRoute, PostprocUnreachable, StopCandidates
 from llmapi.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
@@ -97,11 +98,11 @@ class _Serving:
 class RequestOwner:
     """lanes: with them, decoded tokens come back through the postproc workers (detokenized there) to on_output();
     without, the owner post-processes the decode stream itself. local_prefill: conditional disaggregation
-    (cluster/local_prefill.py): called with a request and the prompt tokens of this owner's requests waiting at
-    prefill replicas; True to serve the request whole on a decode replica (no KV transfer)."""
+    (cluster/local_prefill.py): called with a request and what else this owner serves; True to serve the request
+    whole on a decode replica (no KV transfer)."""
 
     def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: Lanes | None = None,
-                 local_prefill: Callable[[RequestOutput, int], bool] | None = None):
+                 local_prefill: Callable[[RequestOutput, OwnerLoad], bool] | None = None):
         self.roles = roles
         self.local_prefill = local_prefill
         self.tokenizer = tokenizer
@@ -138,9 +139,10 @@ class RequestOwner:
         """Serves one request to its end; every failure reaches the result as an error that says where. images:
         the prompt's images (engine.multimodal.ImageItem), whose placeholders result.prompt_token_ids has expanded."""
         self._loop = asyncio.get_running_loop()
+        load = OwnerLoad(len(self._serving), self._prefill_backlog)  # before this request joins it
         s = self._serving[result.request_id] = _Serving(result, record, result.request_id, tuple(images))
         try:
-            await asyncio.wait_for(self._serve(s), self.request_timeout_s)
+            await asyncio.wait_for(self._serve(s, load), self.request_timeout_s)
         except asyncio.TimeoutError:
             self.abort(result.request_id)
             result.put(RequestError(f"request {result.request_id} did not finish within {self.request_timeout_s} s"))
@@ -161,9 +163,9 @@ class RequestOwner:
             self.control.send(addr, Abort(engine_id))
 
     # ---- the stages ----
-    async def _serve(self, s: _Serving) -> None:
+    async def _serve(self, s: _Serving, load: OwnerLoad) -> None:
         params = None
-        if not self.roles.colocated and not self._local(s):
+        if not self.roles.colocated and not self._local(s, load):
             tokens = len(s.result.prompt_token_ids)
             self._prefill_backlog += tokens
             try:
@@ -174,11 +176,11 @@ class RequestOwner:
                 return
         await self._decode(s, params)  # params None: whole on a decode worker
 
-    def _local(self, s: _Serving) -> bool:
+    def _local(self, s: _Serving, load: OwnerLoad) -> bool:
         """Conditional disaggregation: a prompt with little left to prefill after its best prefix hit, or one that
-        arrives while the prefill role is backed up, is served whole on a decode worker, the path a lost prefill role
-        takes too."""
-        if self.local_prefill is None or not self.local_prefill(s.result, self._prefill_backlog):
+        arrives while the prefill role is backed up or while this owner serves nothing else, is served whole on a
+        decode worker, the path a lost prefill role takes too."""
+        if self.local_prefill is None or not self.local_prefill(s.result, load):
             return False
         self.counters["local_prefill"] += 1
         return True

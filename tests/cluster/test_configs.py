@@ -51,7 +51,9 @@ def test_local_config_is_the_single_node_default(workdir):
     engine = config.engine_config(cluster_key=b"k")
     assert (engine.device, engine.num_threads, engine.cluster_key, engine.dtype) == ("cpu", 1, b"k", "auto")
     assert config.decode.deployment_options()["num_replicas"] == 1
-    assert (config.router.max_local_prefill_tokens, config.router.max_prefill_backlog_tokens) == (0, 2048)
+    router = config.router
+    assert (router.max_local_prefill_tokens, router.max_prefill_backlog_tokens, router.local_prefill_when_idle) == (
+        0, 2048, True)
 
 
 def test_a_role_can_size_its_own_kv_pool(workdir):

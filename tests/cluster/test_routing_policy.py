@@ -13,7 +13,7 @@ import pytest
 
 from cluster.autoscaling import RolePolicy, desired_replicas
 from cluster.directory import Entry
-from cluster.local_prefill import LocalPrefill
+from cluster.local_prefill import LocalPrefill, OwnerLoad
 from cluster.request_router import LeastQueuedTokensRouter, PrefixAwareRouter
 from cluster.routing_policy import (BITS_PER_KEY, EMPTY, PrefixSummary, ReplicaState, cached_tokens, choose_prefill,
                                     prompt_block_keys, replica_cost, replica_state)
@@ -109,38 +109,53 @@ def test_conditional_disaggregation_prefills_short_remainders_locally():
     assert choose_prefill(_tokens(5, seed=12), None, [], 32).local  # no view yet: the whole prompt is weighed
 
 
+BUSY = OwnerLoad(serving=3, prefill_backlog_tokens=0)  # other requests in flight, none waiting at prefill
+
+
 def test_local_prefill_decides_from_the_decode_entries_the_watch_hands_it():
     history = _tokens(120, seed=8)
     follow_up = SimpleNamespace(prompt_token_ids=history + _tokens(10, seed=9), sampling_params=SamplingParams())
     local = LocalPrefill(32)
-    assert not local(follow_up)  # no view yet: all 130 tokens are weighed
+    assert not local(follow_up, BUSY)  # no view yet: all 130 tokens are weighed
     entries = [Entry("decode", "a", None, {}, 1, (), _state([history]).to_json()),
                Entry("decode", "b", None, {}, 1, (), None)]  # not reporting a routing state: skipped
     local.update(entries)
-    assert local(follow_up) and local.choose(follow_up).tokens_to_prefill == 10
+    assert local(follow_up, BUSY) and local.choose(follow_up, BUSY).tokens_to_prefill == 10
     local.update([])  # the replica is gone: the next view has nothing cached
-    assert not local(follow_up)
+    assert not local(follow_up, BUSY)
 
 
 def test_a_backed_up_prefill_role_sends_new_prompts_to_their_decode_replica():
     prompt = SimpleNamespace(prompt_token_ids=_tokens(100, seed=13), sampling_params=SamplingParams())
     by_load = LocalPrefill(0, max_prefill_backlog_tokens=512)
-    assert not by_load(prompt, 511)  # under the threshold: remote
-    choice = by_load.choose(prompt, 512)
+    assert not by_load(prompt, OwnerLoad(3, 511))  # under the threshold: remote
+    choice = by_load.choose(prompt, OwnerLoad(3, 512))
     assert choice.local and choice.tokens_to_prefill == 100
     both = LocalPrefill(32, max_prefill_backlog_tokens=512)
     short = SimpleNamespace(prompt_token_ids=_tokens(10, seed=14), sampling_params=SamplingParams())
-    assert both(short, 0) and not both(prompt, 0)  # the length rule still decides with nothing waiting
-    assert not LocalPrefill(32)(prompt, 10_000)  # 0: the backlog never decides
+    assert both(short, BUSY) and not both(prompt, BUSY)  # the length rule still decides with nothing waiting
+    assert not LocalPrefill(32)(prompt, OwnerLoad(3, 10_000))  # 0: the backlog never decides
+    assert not by_load(prompt, OwnerLoad(0, 0))  # idle, but the idle rule is off
 
 
-def test_backlog_rule_turns_conditional_disaggregation_on_by_itself():
-    def config(local: int, backlog: int):
-        return SimpleNamespace(router=SimpleNamespace(max_local_prefill_tokens=local,
-                                                      max_prefill_backlog_tokens=backlog))
+def test_a_prompt_arriving_at_an_idle_owner_prefills_on_its_decode_replica():
+    prompt = SimpleNamespace(prompt_token_ids=_tokens(100, seed=15), sampling_params=SamplingParams())
+    idle = LocalPrefill(0, when_idle=True)
+    choice = idle.choose(prompt, OwnerLoad(0, 0))
+    assert choice.local and choice.tokens_to_prefill == 100
+    assert not idle(prompt, OwnerLoad(1, 0))  # one other request, decoding: remote, it does not stall that one
+    assert not idle(prompt, OwnerLoad(1, 100))  # one other waiting at prefill: remote too
+
+
+def test_each_rule_turns_conditional_disaggregation_on_by_itself():
+    def config(local: int, backlog: int, idle: bool = False):
+        router = SimpleNamespace(max_local_prefill_tokens=local, max_prefill_backlog_tokens=backlog,
+                                 local_prefill_when_idle=idle)
+        return SimpleNamespace(router=router)
 
     assert LocalPrefill.for_config(config(0, 0), colocated=False) is None
     assert LocalPrefill.for_config(config(0, 2048), colocated=False).max_prefill_backlog_tokens == 2048
+    assert LocalPrefill.for_config(config(0, 0, idle=True), colocated=False).when_idle
     assert LocalPrefill.for_config(config(0, 2048), colocated=True) is None  # colocated: everything is local
 
 

@@ -47,6 +47,9 @@ def _config(model: str, port: int):
     raw.update(http={"host": "127.0.0.1", "port": port, "api_key": KEY})
     raw["engine"].update(block_size=4, kv_cache_bytes="32MiB")
     raw["multimodal"].update(max_image_bytes=MAX_IMAGE_BYTES, encoder_cache_bytes="4MiB")
+    # One request at a time here: the idle rule would serve each whole on decode; the prefill replica splicing the
+    # encoder's embeddings is what this file checks (colocated mode below covers the whole path).
+    raw["router"].update(local_prefill_when_idle=False)
     return parse_config(raw)
 
 
