@@ -139,10 +139,9 @@ class RequestOwner:
         """Serves one request to its end; every failure reaches the result as an error that says where. images:
         the prompt's images (engine.multimodal.ImageItem), whose placeholders result.prompt_token_ids has expanded."""
         self._loop = asyncio.get_running_loop()
-        load = OwnerLoad(len(self._serving), self._prefill_backlog)  # before this request joins it
         s = self._serving[result.request_id] = _Serving(result, record, result.request_id, tuple(images))
         try:
-            await asyncio.wait_for(self._serve(s, load), self.request_timeout_s)
+            await asyncio.wait_for(self._serve(s), self.request_timeout_s)
         except asyncio.TimeoutError:
             self.abort(result.request_id)
             result.put(RequestError(f"request {result.request_id} did not finish within {self.request_timeout_s} s"))
@@ -163,7 +162,9 @@ class RequestOwner:
             self.control.send(addr, Abort(engine_id))
 
     # ---- the stages ----
-    async def _serve(self, s: _Serving, load: OwnerLoad) -> None:
+    async def _serve(self, s: _Serving) -> None:
+        # Read as the request starts, in its own task: the prompts of a batch see those started before them.
+        load = OwnerLoad(len(self._serving) - 1, self._prefill_backlog)
         params = None
         if not self.roles.colocated and not self._local(s, load):
             tokens = len(s.result.prompt_token_ids)

@@ -713,6 +713,10 @@ void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tenso
 #endif
 
 // ---- fused elementwise ops (mirroring the torch reference's roundings) ----
+// torch rounds each product before it adds: no contraction of a * b + c into one fused multiply-add here (GCC
+// contracts by default wherever the target has FMA, e.g. in the loops it vectorizes for AVX2).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 template <typename T>
 void rms_norm_row(T* x, const T* residual, const T* w, T* out, int64_t n, float eps) {
   int64_t i = 0;
@@ -728,6 +732,24 @@ void rms_norm_row(T* x, const T* residual, const T* w, T* out, int64_t n, float 
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   ss = _mm512_reduce_add_ps(acc);
+#else
+  // The order of torch's own sum on an AVX2 build (ATen's vectorized inner reduction: four accumulators of 8
+  // lanes, added in turn, then the lanes left to right), so a row's norm rounds as the reference's does: a single
+  // running sum drifted past the parity tests' tolerance on an AVX2-only CPU.
+  float acc[4][8] = {};
+  for (; i + 32 <= n; i += 32) {
+    for (int k = 0; k < 4; ++k) {
+      for (int l = 0; l < 8; ++l) {
+        const int64_t j = i + 8 * k + l;
+        if (residual) x[j] = from_f<T>(to_f(x[j]) + to_f(residual[j]));
+        const float v = to_f(x[j]);
+        acc[k][l] += v * v;
+      }
+    }
+  }
+  for (int k = 1; k < 4; ++k)
+    for (int l = 0; l < 8; ++l) acc[0][l] += acc[k][l];
+  for (int l = 0; l < 8; ++l) ss += acc[0][l];
 #endif
   for (; i < n; ++i) {
     if (residual) x[i] = from_f<T>(to_f(x[i]) + to_f(residual[i]));
@@ -843,6 +865,8 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_he
               sin.scalar_type() == x.scalar_type(), "rope_: cos/sin must be contiguous (T, head_dim) in x's dtype");
   DISPATCH_FLOATS(x.scalar_type(), "rope_", [&] { rope_impl<scalar_t>(x, cos, sin, num_heads, head_dim); });
 }
+
+#pragma GCC pop_options
 
 // ---- sampling of rows whose logits need no processing ----
 // The first index of the largest of x[0..V) (ties go to the lowest index, as torch's max(dim) does); *mx: that value.

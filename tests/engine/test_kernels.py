@@ -69,7 +69,8 @@ def test_rope_in_place(kernels, dtype, heads, kv_heads, head_dim):
     ref = REFERENCE.rope(qkv.clone(), cos, sin, heads, kv_heads, head_dim)
     ours = kernels.rope(qkv.clone(), cos, sin, heads, kv_heads, head_dim)
     for a, b in zip(ours, ref):
-        _close(a, b, dtype)
+        # each product rounded, then the sum, as torch does: never fused into one multiply-add, whatever the CPU
+        assert torch.equal(a, b)
 
 
 def _scattered(needs: list[int], num_blocks: int, seed: int) -> list[list[int]]:
