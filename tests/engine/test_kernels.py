@@ -183,6 +183,38 @@ def test_packed_linear_matches_f_linear(dtype):
         torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widened_linear_is_a_16_bit_matmul_computed_in_float32(dtype):
+    """Linear.widen, for a CPU that has no matmul of its own for the dtype: float32 math on exactly widened inputs,
+    the output rounded to the dtype; a 16-bit matmul with float32 sums gives the same up to summation order."""
+    if not can_pack(torch.float32, "cpu"):
+        pytest.skip("no oneDNN float32 matmul here")
+    gen = torch.Generator().manual_seed(7)
+    layer = Linear(96, 80, bias=True).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 96, generator=gen))
+        layer.bias.copy_(torch.randn(80, generator=gen))
+    xs = [torch.randn(rows, 96, generator=gen).to(dtype) for rows in (13, 100)]
+    wants = [F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype) for x in xs]
+    natives = [F.linear(x, layer.weight, layer.bias) for x in xs]  # torch's own 16-bit matmul
+    layer.widen(free_weight=True)
+    assert layer.weight.numel() == 0 and layer.packed.dtype == torch.float32
+    for x, want, native in zip(xs, wants, natives):
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == want.shape
+        _close(got, want, torch.bfloat16)
+        torch.testing.assert_close(got.float(), native.float(), **TOL[torch.bfloat16])
+
+
+def test_a_16_bit_model_widens_its_linears_only_where_the_cpu_lacks_the_matmul(tiny_dir):
+    model = CausalLM.from_pretrained(tiny_dir, dtype="bfloat16")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    native = can_pack(torch.bfloat16, "cpu")
+    assert all(m.packed is not None for m in linears)
+    assert all(m.narrow is (None if native else torch.bfloat16) for m in linears)
+    assert model.lm_head.weight is model.embed_tokens.weight and model.embed_tokens.weight.numel() > 0
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("kernels-model"), arch="qwen2", tie_word_embeddings=True)
