@@ -69,7 +69,12 @@ inline float exp_f(float x) {
   p = p * r + kP4;
   p = p * r + kP5;
   p = p * r * r + r + 1.0f;
-  return std::ldexp(p, static_cast<int>(n));
+  // p * 2^n, the power built from its bits (n is within [-125, 127] after the clamp): ldexp's exact result, without
+  // a library call that would keep a loop of exps from being vectorized
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 inline float silu_f(float x) { return x / (1.f + exp_f(-x)); }
@@ -223,23 +228,44 @@ inline void row_offsets(int64_t* offs, const int32_t* table, int64_t first, int6
   }
 }
 
+// The portable path (no AVX-512) is written for the compiler's vectorizer: a float sum it may not reorder stays
+// scalar, so reductions keep eight partial sums (one AVX2 register) and exps are computed in a loop of their own.
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t dim) {
+  float lanes[8] = {};
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] += q[d + l] * to_f(k[d + l]);
+  float dot = 0.f;
+  for (; d < dim; ++d) dot += q[d] * to_f(k[d]);
+  for (int l = 0; l < 8; ++l) dot += lanes[l];
+  return dot;
+}
+
+inline float sum_lanes(const float* s, int64_t n) {
+  float lanes[8] = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] += s[j + l];
+  float sum = 0.f;
+  for (; j < n; ++j) sum += s[j];
+  for (int l = 0; l < 8; ++l) sum += lanes[l];
+  return sum;
+}
+
 // scores (group, n_pad) <- q . k, then softmax in place over the first n of each row
 template <typename T>
 void scores_softmax_scalar(const T* kc, const DecodeItem& it, float* scores, int64_t n_pad) {
   for (int64_t j = 0; j < it.n; ++j) {
     const T* k = kc + it.offs[j];
-    for (int64_t g = 0; g < it.group; ++g) {
-      float dot = 0.f;
-      for (int64_t d = 0; d < it.dim; ++d) dot += it.q[g * it.dim + d] * to_f(k[d]);
-      scores[g * n_pad + j] = dot;
-    }
+    for (int64_t g = 0; g < it.group; ++g) scores[g * n_pad + j] = dot_row(it.q + g * it.dim, k, it.dim);
   }
   for (int64_t g = 0; g < it.group; ++g) {
     float* s = scores + g * n_pad;
     const float mx = *std::max_element(s, s + it.n);
-    float sum = 0.f;
-    for (int64_t j = 0; j < it.n; ++j) sum += (s[j] = exp_f(s[j] - mx));
-    for (int64_t j = 0; j < it.n; ++j) s[j] /= sum;
+    for (int64_t j = 0; j < it.n; ++j) s[j] = exp_f(s[j] - mx);
+    const float inv = 1.f / sum_lanes(s, it.n);
+    for (int64_t j = 0; j < it.n; ++j) s[j] *= inv;
   }
 }
 
