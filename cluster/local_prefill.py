@@ -10,8 +10,8 @@ Three reasons, each with its own setting (0 or false: off):
   its decode replica, as NVIDIA Dynamo's disaggregated router does past its prefill queue limit.
 - an idle ingress (router.local_prefill_when_idle): a prompt that arrives while its ingress replica serves no other
   request finds no decode step of its to hold up; prefilled where it decodes, it skips the prefill hop, the KV
-  transfer and a prefill engine that has idled (cold: on this CPU the same matmuls run 40-60% slower after a few
-  hundred ms of rest). Like the backlog, what other ingress replicas run on the decode replicas is not seen.
+  transfer and a prefill engine that has idled (cold: on a Sapphire Rapids VM the same matmuls ran 40-60% slower
+  after a few hundred ms of rest). Like the backlog, what other ingress replicas run on the decode replicas is not seen.
 Either path gives the same tokens.
 """
 

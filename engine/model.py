@@ -27,25 +27,26 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.packed: torch.Tensor | None = None
+        self.packed_bias: torch.Tensor | None = None  # the bias in the packed matmul's dtype
         self.narrow: torch.dtype | None = None  # widen(): the dtype inputs and outputs keep; math in float32
-        self.wide_bias: torch.Tensor | None = None
 
     def pack(self, free_weight: bool) -> None:
         """free_weight: drop the plain weight (kept when another module shares it, as a tied lm_head does)."""
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
-        if free_weight:
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        self._pack(self.weight.detach(), self.bias, free_weight)
 
     def widen(self, free_weight: bool) -> None:
         """For a bf16 or fp16 model on a CPU that has no matmul of its own for the dtype (torch then runs a generic
-        loop, ~10x slower than float32): the weight is kept as float32, packed for oneDNN, and the matmul runs in
+        loop, 4-7x slower on an AVX2 CPU): the weight is kept as float32, packed for oneDNN, and the matmul runs in
         float32 on the inputs widened exactly. Products of two bf16 (fp16) values are exact in float32 and sums are
         float32, as in a native bf16 matmul; the output is rounded to the dtype. Twice the weights' memory."""
         self.narrow = self.weight.dtype
+        self._pack(self.weight.detach().float(), None if self.bias is None else self.bias.detach().float(),
+                   free_weight)
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None, free_weight: bool) -> None:
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().float(), _PACK_BATCH_HINT)
-            self.wide_bias = None if self.bias is None else self.bias.detach().float()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        self.packed_bias = bias
         if free_weight:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -57,10 +58,10 @@ class Linear(nn.Linear):
         pad = -rows % _ROW_BUCKET if rows > _EXACT_ROWS else 0
         if pad:
             x = F.pad(x, (0, 0, 0, pad))  # (T rounded up to the bucket, in_features), zero rows
-        if self.narrow is None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
-        out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.wide_bias, "none", [], "")[:rows]
-        return out.to(self.narrow)
+        if self.narrow is not None:
+            x = x.float()
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")[:rows]
+        return out if self.narrow is None else out.to(self.narrow)
 
 
 # oneDNN picks its blocked layout for this many rows; measured on the bench shapes, 16 serves decode steps best and

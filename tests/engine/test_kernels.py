@@ -163,17 +163,22 @@ def test_decode_attention_refuses_a_context_longer_than_its_table(kernels):
                                    batch.context_lens, 0, 1.0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linear_matches_f_linear(dtype):
-    if not can_pack(dtype, "cpu"):
-        pytest.skip(f"this CPU does not run {dtype} matmuls in oneDNN")
-    gen = torch.Generator().manual_seed(5)
+def _random_linear(dtype, seed: int) -> tuple[Linear, list[torch.Tensor]]:
+    """A 96 -> 80 Linear with a bias, random, and inputs of 13 and 100 rows."""
+    gen = torch.Generator().manual_seed(seed)
     layer = Linear(96, 80, bias=True).to(dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(80, 96, generator=gen))
         layer.bias.copy_(torch.randn(80, generator=gen))
+    return layer, [torch.randn(rows, 96, generator=gen).to(dtype) for rows in (13, 100)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_matches_f_linear(dtype):
+    if not can_pack(dtype, "cpu"):
+        pytest.skip(f"this CPU does not run {dtype} matmuls in oneDNN")
     # 13 rows: a decode batch, exact; 100: a prefill chunk, padded to a row bucket (128) and cut back
-    xs = [torch.randn(rows, 96, generator=gen).to(dtype) for rows in (13, 100)]
+    layer, xs = _random_linear(dtype, seed=5)
     refs = [F.linear(x, layer.weight, layer.bias) for x in xs]
     layer.pack(free_weight=True)
     assert layer.weight.numel() == 0
@@ -189,12 +194,7 @@ def test_widened_linear_is_a_16_bit_matmul_computed_in_float32(dtype):
     the output rounded to the dtype; a 16-bit matmul with float32 sums gives the same up to summation order."""
     if not can_pack(torch.float32, "cpu"):
         pytest.skip("no oneDNN float32 matmul here")
-    gen = torch.Generator().manual_seed(7)
-    layer = Linear(96, 80, bias=True).to(dtype)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(80, 96, generator=gen))
-        layer.bias.copy_(torch.randn(80, generator=gen))
-    xs = [torch.randn(rows, 96, generator=gen).to(dtype) for rows in (13, 100)]
+    layer, xs = _random_linear(dtype, seed=7)
     wants = [F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype) for x in xs]
     natives = [F.linear(x, layer.weight, layer.bias) for x in xs]  # torch's own 16-bit matmul
     layer.widen(free_weight=True)
