@@ -43,6 +43,7 @@ class Stack:
         self.processor = MultimodalProcessor(path)
         self.encoder = VisionEncoder.from_pretrained(path, dtype="float32")
         self.model = CausalLM.from_pretrained(path, dtype="float32")
+        self.unpacked = CausalLM.from_pretrained(path, dtype="float32", pack=False)  # F.linear, as transformers
         self.hf = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
 
     def prompt(self, name: str, seed: int = 0) -> MultimodalPrompt:
@@ -132,15 +133,16 @@ def _reference(stack: Stack, prompt: MultimodalPrompt, new_tokens: int) -> tuple
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_prefill_logits_match_transformers(stack, model, prompt):
+    """With the linears unpacked (transformers' own fp32 GEMMs), as in test_model's logits test."""
     s = stack(model)
     p = s.prompt(prompt)
     n = len(p.token_ids)
     cache = KVCache(s.model.kv_layout(4), -(-n // 4) + 2)
     slices = [SeqSlice(_tables([-(-n // 4)], -(-n // 4) + 2, seed=0)[0], 0, n)]
     row_embeds = embeddings_in_span(p.ranges, s.embeddings(p), 0, n)
-    hidden = _forward(s.model, list(p.token_ids), torch.arange(n), slices, cache, 4, row_embeds)
+    hidden = _forward(s.unpacked, list(p.token_ids), torch.arange(n), slices, cache, 4, row_embeds)
     with torch.inference_mode():
-        logits = s.model.compute_logits(hidden)  # (n, vocab)
+        logits = s.unpacked.compute_logits(hidden)  # (n, vocab)
         ref = s.hf(**s.hf_inputs(p)).logits[0].float()  # (n, vocab)
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 

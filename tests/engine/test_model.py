@@ -132,8 +132,12 @@ def _greedy(model, prompts, new_tokens, chunk=5, block_size=4):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_prefill_logits_match_transformers(pair, variant):
-    ours, hf = pair(variant)
+def test_prefill_logits_match_transformers(pair, checkpoint, variant):
+    """Our kernels and wiring against transformers, with the linears unpacked: transformers' own fp32 GEMMs.
+    oneDNN's packed GEMMs sum in another order (up to ~1e-4 on these logits, varying with the CPU); they are held to
+    F.linear in test_kernels, and the packed model to transformers' tokens below."""
+    _, hf = pair(variant)
+    ours = CausalLM.from_pretrained(checkpoint(variant, **VARIANTS[variant]), dtype="float32", pack=False)
     prompts = _prompts(ours.spec.vocab_size)
     for prompt, logits in zip(prompts, _prefill_logits(ours, prompts)):
         with torch.inference_mode():
