@@ -79,7 +79,8 @@ class CpuKernelOps(TorchOps):
 
     def __init__(self, module):
         self.k = module
-        self._prefill_amx = module.prefill_available()  # AMX-BF16 here, and Linux granted the tile state
+        self._prefill_bf16 = module.prefill_available()  # built for a CPU with AVX512-BF16 (AMX or not)
+        self.prefill_tiles = True  # AMX tiles where the CPU has them; False: its VDPBF16PS path (tests run both)
 
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or not x.is_contiguous():
@@ -113,7 +114,7 @@ class CpuKernelOps(TorchOps):
         if meta.prefills and self._prefill_in_place(q, window):
             for plan in meta.prefills:  # the chunk's keys are in the cache already: read it in place
                 self.k.prefill_attention(out, q, k_cache, v_cache, plan.table, plan.row, plan.start, plan.num_new,
-                                         scale)
+                                         scale, self.prefill_tiles)
             return out
         for plan, mask in zip(meta.prefills, meta.prefill_masks(window, q.dtype)):
             rows = slice(plan.row, plan.row + plan.num_new)
@@ -121,10 +122,11 @@ class CpuKernelOps(TorchOps):
         return out
 
     def _prefill_in_place(self, q, window) -> bool:
-        """The C++ prefill kernel: bf16 where the CPU has AMX-BF16, causal without a window, head_dim a multiple
-        of 32 up to 256. fp32 keeps SDPA (its parity with transformers is exact)."""
+        """The C++ prefill kernel: bf16 where the CPU has AVX512-BF16 (on AMX tiles where it has AMX-BF16), causal
+        without a window, head_dim a multiple of 32 up to 256. fp32 keeps SDPA (its parity with transformers is
+        exact)."""
         dim = q.shape[2]
-        return window is None and q.dtype == torch.bfloat16 and dim % 32 == 0 and dim <= 256 and self._prefill_amx
+        return window is None and q.dtype == torch.bfloat16 and dim % 32 == 0 and dim <= 256 and self._prefill_bf16
 
 
 REFERENCE = TorchOps()

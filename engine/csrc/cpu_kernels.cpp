@@ -548,20 +548,27 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   });
 }
 
-// ---- paged KV: prefill attention (bf16 on AMX) ----
+// ---- paged KV: prefill attention (bf16: AMX tiles, else AVX-512 BF16) ----
 // One chunk of a sequence's prompt (queries at positions start .. start + n - 1) against its whole causal context,
 // read from the paged cache (the chunk's own keys were written there first). Per KV head, the context's keys and
-// values are packed once as AMX operands (pairs of bf16 per 32-bit lane). Then, per tile of 16 query tokens and per
-// query head of the group: scores = Q K^T in 16 x 16 fp32 tiles (TDPBF16PS: exact bf16 products summed in fp32), a
-// softmax in fp32 over each row's causal context, rounded to bf16 unnormalized, and out = P V in 16 x 16 fp32 tiles,
-// scaled by 1 / the fp32 sum. torch's bf16 SDPA also rounds the probabilities to bf16 for the second product.
-#if defined(RAYPD_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// values are packed once (pairs of bf16 per 32-bit lane: AMX's B operand layout, which VDPBF16PS reads as well).
+// Then, per tile of 16 query tokens and per query head of the group: scores = Q K^T in fp32 (exact bf16 products
+// summed in fp32), a softmax in fp32 over each row's causal context, rounded to bf16 unnormalized, and out = P V in
+// fp32, scaled by 1 / the fp32 sum. torch's bf16 SDPA also rounds the probabilities to bf16 for the second product.
+// The two products run as 16 x 16 TDPBF16PS tiles where the CPU has AMX-BF16 and Linux grants the tile state, else
+// as VDPBF16PS on 16 accumulators (AVX512-BF16 without AMX, e.g. AMD Zen 4: ~3x faster than torch's SDPA there).
+#if defined(RAYPD_AVX512) && defined(__AVX512BF16__)
+#define RAYPD_PREFILL 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RAYPD_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 constexpr int64_t kTile = 16;  // query tokens per tile; keys per score tile
 constexpr int64_t kKeyBlock = 32;  // keys per P V step (one A tile row: 32 bf16)
 
+#ifdef RAYPD_AMX
 // Linux hands out the AMX tile state only on request (once per process; oneDNN asks too).
 bool amx_ready() {
   static const bool ok = [] {
@@ -580,6 +587,9 @@ struct TileConfig {
     for (int t = 0; t < 3; ++t) colsb[t] = 64, rows[t] = 16;
   }
 };
+#else
+bool amx_ready() { return false; }
+#endif
 
 // keys [0, ctx) of one KV head -> packed[((c * dim / 2) + d2) * 16 + j] = dims (2 d2, 2 d2 + 1) of key 16 c + j: for
 // each 16 keys and 32 dims, a B tile of 16 rows (dim pairs) x 16 keys; keys past ctx are zero
@@ -629,12 +639,11 @@ void tile_softmax(const float* scores, int64_t n_pad, const int64_t* n, c10::BFl
   }
 }
 
-// One query head's tile: q (16, dim) bf16 rows, n[r] keys each (n_pad >= max n, a multiple of 32) -> out rows.
-void head_tile(const c10::BFloat16* q, const int64_t* n, int64_t n_pad, int64_t dim, float scale,
-               const uint32_t* keys, const uint32_t* vpairs, float* scores, c10::BFloat16* probs, float* acc,
-               c10::BFloat16* const* out, int64_t rows) {
-  const int64_t d2n = dim / 2, dv = dim / 16;
-  for (int64_t c = 0; c < n_pad / 16; ++c) {  // scores, 16 keys at a time
+#ifdef RAYPD_AMX
+// scores (16, n_pad) fp32 <- q (16, dim) K^T, a 16 x 16 tile per 16 keys
+void tile_scores_amx(const c10::BFloat16* q, int64_t n_pad, int64_t dim, const uint32_t* keys, float* scores) {
+  const int64_t d2n = dim / 2;
+  for (int64_t c = 0; c < n_pad / 16; ++c) {
     _tile_zero(0);
     for (int64_t h = 0; h < dim / 32; ++h) {
       _tile_loadd(1, q + 32 * h, dim * 2);
@@ -643,14 +652,13 @@ void head_tile(const c10::BFloat16* q, const int64_t* n, int64_t n_pad, int64_t 
     }
     _tile_stored(0, scores + c * 16, n_pad * 4);
   }
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < kTile * n_pad; i += 16) _mm512_storeu_ps(scores + i, _mm512_mul_ps(_mm512_loadu_ps(scores + i), sv));
-  float inv[kTile];
-  tile_softmax(scores, n_pad, n, probs, inv);
-  int64_t keys_max = 0;
-  for (int64_t r = 0; r < kTile; ++r) keys_max = std::max(keys_max, n[r]);
-  const int64_t blocks = (keys_max + kKeyBlock - 1) / kKeyBlock;
-  for (int64_t i = 0; i < dv; ++i) {  // out, 16 dims at a time
+}
+
+// acc (16, dim) fp32 <- probs (16, n_pad) V over the first `blocks` blocks of 32 keys, a 16 x 16 tile per 16 dims
+void tile_pv_amx(const c10::BFloat16* probs, int64_t n_pad, int64_t blocks, int64_t dim, const uint32_t* vpairs,
+                 float* acc) {
+  const int64_t dv = dim / 16;
+  for (int64_t i = 0; i < dv; ++i) {
     _tile_zero(0);
     for (int64_t b = 0; b < blocks; ++b) {
       _tile_loadd(1, probs + b * kKeyBlock, n_pad * 2);
@@ -659,6 +667,87 @@ void head_tile(const c10::BFloat16* q, const int64_t* n, int64_t n_pad, int64_t 
     }
     _tile_stored(0, acc + 16 * i, dim * 4);
   }
+}
+#endif
+
+// tile_scores_amx with VDPBF16PS: per 16 keys, one accumulator per query row (lanes: keys), each packed key vector
+// (16 keys x one dim pair) multiplied by every row's broadcast dim pair
+void tile_scores_vec(const c10::BFloat16* q, int64_t n_pad, int64_t dim, const uint32_t* keys, float* scores) {
+  const int64_t d2n = dim / 2;
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q);  // row r's dim pair d2 at r * d2n + d2
+  for (int64_t c = 0; c < n_pad / 16; ++c) {
+    __m512 acc[kTile];
+    for (int64_t r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
+    const uint32_t* kb = keys + c * d2n * 16;
+    for (int64_t d2 = 0; d2 < d2n; ++d2) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + d2 * 16);
+      for (int64_t r = 0; r < kTile; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r * d2n + d2])), kv);
+    }
+    for (int64_t r = 0; r < kTile; ++r) _mm512_storeu_ps(scores + r * n_pad + c * 16, acc[r]);
+  }
+}
+
+// tile_pv_amx with VDPBF16PS: GR rows at a time, their GR x DV accumulators (lanes: dims) in registers across the
+// key pairs; each packed value vector (16 dims x one key pair) is loaded once for the GR rows' broadcast pairs
+template <int DV, int GR>
+void tile_pv_vec_dv(const c10::BFloat16* probs, int64_t n_pad, int64_t pairs, const uint32_t* vpairs, float* acc) {
+  const uint32_t* pw = reinterpret_cast<const uint32_t*>(probs);  // row r's key pair m at r * n_pad / 2 + m
+  const int64_t row_words = n_pad / 2;
+  for (int64_t r0 = 0; r0 < kTile; r0 += GR) {
+    __m512 a[GR][DV];
+    for (int b = 0; b < GR; ++b)
+      for (int i = 0; i < DV; ++i) a[b][i] = _mm512_setzero_ps();
+    for (int64_t m = 0; m < pairs; ++m) {
+      const uint32_t* vm = vpairs + m * DV * 16;
+      for (int b = 0; b < GR; ++b) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[(r0 + b) * row_words + m]));
+        for (int i = 0; i < DV; ++i) a[b][i] = _mm512_dpbf16_ps(a[b][i], p, (__m512bh)_mm512_loadu_si512(vm + 16 * i));
+      }
+    }
+    for (int b = 0; b < GR; ++b)
+      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(acc + (r0 + b) * DV * 16 + 16 * i, a[b][i]);
+  }
+}
+
+void tile_pv_vec(const c10::BFloat16* probs, int64_t n_pad, int64_t blocks, int64_t dim, const uint32_t* vpairs,
+                 float* acc) {
+  const int64_t pairs = blocks * kKeyBlock / 2;
+  switch (dim / 16) {  // head_dim a multiple of 32 up to 256; about 16 accumulators
+    case 2: return tile_pv_vec_dv<2, 8>(probs, n_pad, pairs, vpairs, acc);
+    case 4: return tile_pv_vec_dv<4, 4>(probs, n_pad, pairs, vpairs, acc);
+    case 6: return tile_pv_vec_dv<6, 2>(probs, n_pad, pairs, vpairs, acc);
+    case 8: return tile_pv_vec_dv<8, 2>(probs, n_pad, pairs, vpairs, acc);
+    case 10: return tile_pv_vec_dv<10, 1>(probs, n_pad, pairs, vpairs, acc);
+    case 12: return tile_pv_vec_dv<12, 1>(probs, n_pad, pairs, vpairs, acc);
+    case 14: return tile_pv_vec_dv<14, 1>(probs, n_pad, pairs, vpairs, acc);
+    case 16: return tile_pv_vec_dv<16, 1>(probs, n_pad, pairs, vpairs, acc);
+    default: TORCH_CHECK(false, "prefill_attention: head_dim ", dim, " is not a multiple of 32 up to 256");
+  }
+}
+
+// One query head's tile: q (16, dim) bf16 rows, n[r] keys each (n_pad >= max n, a multiple of 32) -> out rows.
+void head_tile(bool amx, const c10::BFloat16* q, const int64_t* n, int64_t n_pad, int64_t dim, float scale,
+               const uint32_t* keys, const uint32_t* vpairs, float* scores, c10::BFloat16* probs, float* acc,
+               c10::BFloat16* const* out, int64_t rows) {
+  const int64_t dv = dim / 16;
+#ifdef RAYPD_AMX
+  if (amx) tile_scores_amx(q, n_pad, dim, keys, scores);
+  else
+#endif
+    tile_scores_vec(q, n_pad, dim, keys, scores);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < kTile * n_pad; i += 16) _mm512_storeu_ps(scores + i, _mm512_mul_ps(_mm512_loadu_ps(scores + i), sv));
+  float inv[kTile];
+  tile_softmax(scores, n_pad, n, probs, inv);
+  int64_t keys_max = 0;
+  for (int64_t r = 0; r < kTile; ++r) keys_max = std::max(keys_max, n[r]);
+  const int64_t blocks = (keys_max + kKeyBlock - 1) / kKeyBlock;
+#ifdef RAYPD_AMX
+  if (amx) tile_pv_amx(probs, n_pad, blocks, dim, vpairs, acc);
+  else
+#endif
+    tile_pv_vec(probs, n_pad, blocks, dim, vpairs, acc);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 iv = _mm512_set1_ps(inv[r]);
     for (int64_t i = 0; i < dv; ++i)
@@ -667,12 +756,11 @@ void head_tile(const c10::BFloat16* q, const int64_t* n, int64_t n_pad, int64_t 
   }
 }
 
-bool prefill_available() { return amx_ready(); }
+bool prefill_available() { return true; }
 
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                       torch::Tensor table, int64_t row, int64_t start, int64_t n, double scale) {
+                       torch::Tensor table, int64_t row, int64_t start, int64_t n, double scale, bool use_amx) {
   for (auto* t : {&out, &q, &k_cache, &v_cache, &table}) check_cpu(*t, "prefill_attention tensor");
-  TORCH_CHECK(amx_ready(), "prefill_attention: the kernel refused AMX tile state");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == q.scalar_type() &&
               k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "prefill_attention: bfloat16 tensors only");
@@ -704,9 +792,12 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
       pack_values(vc, offs.data(), ctx, keys_pad, dim, vpairs.data() + kh * words);
     }
   });
+  const bool amx = use_amx && amx_ready();
   at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
+#ifdef RAYPD_AMX
     const TileConfig config;
-    _tile_loadconfig(&config);
+    if (amx) _tile_loadconfig(&config);
+#endif
     std::vector<c10::BFloat16> qbuf(kTile * dim), probs;
     std::vector<float> scores, acc(kTile * dim);
     c10::BFloat16* orows[kTile];
@@ -724,17 +815,19 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
       scores.resize(kTile * n_pad);
       probs.resize(kTile * n_pad);
       const int64_t kh = h / group;
-      head_tile(qbuf.data(), keys, n_pad, dim, fscale, packed.data() + kh * words, vpairs.data() + kh * words,
+      head_tile(amx, qbuf.data(), keys, n_pad, dim, fscale, packed.data() + kh * words, vpairs.data() + kh * words,
                 scores.data(), probs.data(), acc.data(), orows, tn);
     }
-    _tile_release();
+#ifdef RAYPD_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 #else
 bool prefill_available() { return false; }
 void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
-                       int64_t, double) {
-  TORCH_CHECK(false, "prefill_attention: this build has no AMX-BF16");
+                       int64_t, double, bool) {
+  TORCH_CHECK(false, "prefill_attention: this build has no AVX512-BF16");
 }
 #endif
 
@@ -1008,8 +1101,9 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(torch::Tensor logits, torch
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store new keys and values into their paged-cache slots");
   m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over the paged cache, in place");
-  m.def("prefill_attention", &prefill_attention, "a bf16 prompt chunk's causal attention over the paged cache");
-  m.def("prefill_available", &prefill_available, "whether prefill_attention runs here (AMX-BF16, tile state granted)");
+  m.def("prefill_attention", &prefill_attention,
+        "a bf16 prompt chunk's causal attention over the paged cache (use_amx: on AMX tiles where granted)");
+  m.def("prefill_available", &prefill_available, "whether prefill_attention runs here (AVX512-BF16; AMX tiles where granted)");
   m.def("rms_norm", &rms_norm, "RMSNorm (optionally after an in-place residual add)", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up projection");

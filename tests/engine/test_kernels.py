@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, SeqSlice
+from engine.config import this_cpu_flags
 from engine.kernels import REFERENCE, CpuKernelOps, cpu_kernels, select_ops
 from engine.kv_cache import KVCache, KVLayout
 from engine.model import CausalLM, Linear, can_pack
@@ -114,23 +115,23 @@ def test_paged_attention_against_reference(kernels, dtype, heads, kv_heads, head
         assert (ours.float() - exact).abs().mean() <= (ref.float() - exact).abs().mean() * 1.05
 
 
-def _has_amx_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any("amx_bf16" in line for line in f if line.startswith("flags"))
-    except OSError:
-        return False
+def _has(flag: str) -> bool:
+    return flag in this_cpu_flags()
 
 
 # Prompt chunks that fill several 16-token tiles and end mid-tile, from 0 and after a cached prefix (mid-block).
 PREFILL_STEP = [(0, 345), (100, 70), (5, 16), (0, 33), (250, 1)]
 
 
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "vdpbf16ps"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (14, 2, 64), (8, 8, 128), (6, 2, 96)])
-def test_bf16_prefill_attention_on_amx_against_reference(kernels, heads, kv_heads, head_dim):
-    if not _has_amx_bf16():
-        pytest.skip("this CPU has no AMX-BF16: bf16 prefill attention runs torch's SDPA")
-    assert kernels.k.prefill_available(), "the CPU has AMX-BF16 but the kernel cannot use it"
+def test_bf16_prefill_attention_against_reference(kernels, heads, kv_heads, head_dim, tiles, monkeypatch):
+    if tiles and not _has("amx_bf16"):
+        pytest.skip("this CPU has no AMX-BF16: bf16 prefill attention runs on VDPBF16PS (the other case)")
+    if not _has("avx512_bf16") or not _has("avx512bw"):
+        pytest.skip("this CPU has no AVX512-BF16: bf16 prefill attention runs torch's SDPA")
+    assert kernels.k.prefill_available(), "the CPU has AVX512-BF16 but the kernel was built without it"
+    monkeypatch.setattr(kernels, "prefill_tiles", tiles)
     block_size, gen = 16, torch.Generator().manual_seed(5)
     needs = [-(-(start + n) // block_size) for start, n in PREFILL_STEP]
     layout = KVLayout(1, kv_heads, head_dim, block_size, "bfloat16")
