@@ -124,7 +124,8 @@ PREFILL_STEP = [(0, 345), (100, 70), (5, 16), (0, 33), (250, 1)]
 
 
 @pytest.mark.parametrize("tiles", [True, False], ids=["amx", "vdpbf16ps"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (14, 2, 64), (8, 8, 128), (6, 2, 96)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (14, 2, 64), (8, 8, 128), (6, 2, 96), (4, 2, 32),
+                                                    (2, 1, 256)])
 def test_bf16_prefill_attention_against_reference(kernels, heads, kv_heads, head_dim, tiles, monkeypatch):
     if tiles and not _has("amx_bf16"):
         pytest.skip("this CPU has no AMX-BF16: bf16 prefill attention runs on VDPBF16PS (the other case)")
