@@ -7,6 +7,7 @@ prompts. The reference: transformers' processor + forward / generate(pixel_value
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -40,11 +41,16 @@ class Stack:
     """Our three pieces and transformers' model, for one checkpoint."""
 
     def __init__(self, path):
+        self.path = path
         self.processor = MultimodalProcessor(path)
         self.encoder = VisionEncoder.from_pretrained(path, dtype="float32")
         self.model = CausalLM.from_pretrained(path, dtype="float32")
-        self.unpacked = CausalLM.from_pretrained(path, dtype="float32", pack=False)  # F.linear, as transformers
         self.hf = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+    @functools.cached_property
+    def unpacked(self) -> CausalLM:
+        """The model with its linears unpacked: F.linear, as transformers computes them (the logits test's)."""
+        return CausalLM.from_pretrained(self.path, dtype="float32", pack=False)
 
     def prompt(self, name: str, seed: int = 0) -> MultimodalPrompt:
         text = PROMPTS[name]
