@@ -141,7 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_from_config
+    from cluster.app import deploy
     from cluster.directory import Directory
     from cluster.ingress import DRAINING_KEY
 
@@ -156,7 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
     serve.start(http_options={"host": config.http.host, "port": config.http.port}, logging_config=quiet)
     directory = Directory(_APP)
     directory.set_flag(DRAINING_KEY + _APP.encode(), False)  # a drain an earlier run left behind
-    serve.run(build_from_config(config), name=_APP, route_prefix="/", blocking=False, logging_config=quiet)
+    deploy(config, _APP, "/", logging_config=quiet)
     print(f"raypd: serving {config.model_name!r} at http://{config.http.host}:{config.http.port}/v1", flush=True)
     if args.detach:
         return 0

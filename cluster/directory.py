@@ -34,6 +34,7 @@ class Entry:
     counter: int
     peers: tuple[str, ...] = ()  # engine names of the replicas it has met
     routing: dict | None = None  # its load and prefix-cache summary (cluster/routing_policy.ReplicaState.to_json)
+    problem: str | None = None  # an ingress replica's answer to /health: None when it can serve
 
 
 def _key(app: str, role: str, replica_id: str = "") -> bytes:
@@ -62,9 +63,10 @@ class Directory:
         self._seen: dict[bytes, tuple[int, float]] = {}  # key -> (counter, when it last moved, our clock)
 
     def publish(self, role: str, replica_id: str, card: EngineCard | None, stats: dict[str, float],
-                counter: int, peers: tuple[str, ...] = (), routing: dict | None = None) -> None:
+                counter: int, peers: tuple[str, ...] = (), routing: dict | None = None,
+                problem: str | None = None) -> None:
         body = {"card": _card_json(card), "stats": stats, "counter": counter, "peers": list(peers),
-                "routing": routing}
+                "routing": routing, "problem": problem}
         internal_kv._internal_kv_put(_key(self.app, role, replica_id), json.dumps(body), namespace=_NAMESPACE)
 
     def flag(self, name: bytes) -> bool:
@@ -80,8 +82,8 @@ class Directory:
     def remove(self, role: str, replica_id: str) -> None:
         internal_kv._internal_kv_del(_key(self.app, role, replica_id), namespace=_NAMESPACE)
 
-    def entries(self, role: str) -> list[Entry]:
-        """The role's live replicas (an entry is live until its counter has not moved for STALE_S)."""
+    def entries(self, role: str, stale_s: float = STALE_S) -> list[Entry]:
+        """The role's live replicas (an entry is live until its counter has not moved for stale_s)."""
         now, live = time.monotonic(), []
         for key in internal_kv._internal_kv_list(_key(self.app, role), namespace=_NAMESPACE):
             raw = internal_kv._internal_kv_get(key, namespace=_NAMESPACE)
@@ -90,14 +92,15 @@ class Directory:
             try:
                 body = json.loads(raw)
                 entry = Entry(role, key.decode().rsplit("/", 1)[1], _card(body["card"]), dict(body["stats"]),
-                              int(body["counter"]), tuple(body.get("peers", ())), body.get("routing"))
+                              int(body["counter"]), tuple(body.get("peers", ())), body.get("routing"),
+                              body.get("problem"))
             except (ValueError, KeyError, TypeError):
                 continue  # not written by a replica of ours
             counter, moved = self._seen.get(key, (None, now))
             if counter != entry.counter:
                 moved = now
             self._seen[key] = (entry.counter, moved)
-            if now - moved < STALE_S:
+            if now - moved < stale_s:
                 live.append(entry)
         return live
 

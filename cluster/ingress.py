@@ -1,5 +1,6 @@
 """The OpenAI-compatible ingress: validates at the edge, sheds load, owns its requests, streams SSE. A Serve
-deployment. /health and /metrics read state kept up to date in the background, so they never wait behind generation.
+deployment. /health and /metrics read state kept up to date in the background, so they never wait behind generation;
+what /health would answer is also published with the replica's directory entry, for cluster.health.
 """
 # No `from __future__ import annotations` here: Serve's ingress wrapper breaks FastAPI's reading of string annotations.
 
@@ -19,6 +20,7 @@ from cluster.config import RaypdConfig
 from cluster.directory import Directory
 from cluster.edge import Admission, EdgeError, EdgeGate, EdgeLimits, Ticket
 from cluster.edge_images import BadImage, EdgeImages
+from cluster.health import health_response
 from cluster.lanes import OwnerLanes
 from cluster.local_prefill import LocalPrefill
 from cluster.metrics import Metrics
@@ -87,12 +89,15 @@ class Ingress:
     # ---- endpoints ----
     @app.get("/health")
     async def health(self) -> JSONResponse:
+        """This replica's own answer. Deployed with cluster.app.deploy, /health reaches cluster.health instead, which
+        answers the same from what every ingress replica publishes, in a process no flood waits in."""
+        return health_response(self.problem(), self.config.limits.retry_after_s)
+
+    def problem(self) -> str | None:
+        """Why this replica cannot serve now (draining, a role or a postproc worker missing), or None."""
         problems = [p for p in (self.admission.closed or self.admission.degraded,
                                 self._lanes.health() if self._lanes else None) if p]
-        if problems:
-            return JSONResponse(error_body("; ".join(problems), "service_unavailable"), 503,
-                                headers={"Retry-After": str(self.config.limits.retry_after_s)})
-        return JSONResponse({"status": "ok"})
+        return "; ".join(problems) or None
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -283,7 +288,7 @@ class Ingress:
         self.admission.closed = closed
         self._published += 1
         self._directory.publish("ingress", self._replica_id, None, {"in_flight": self.admission.requests},
-                                self._published)
+                                self._published, problem=self.problem())
 
     def __del__(self):
         if getattr(self, "_lanes", None) is not None:

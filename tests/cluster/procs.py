@@ -30,10 +30,12 @@ def healthy(base: str) -> bool:
         return False
 
 
-def wait_healthy(base: str, proc: subprocess.Popen, log_path: pathlib.Path, timeout_s: float) -> None:
-    """Until `base`/health answers 200; fails with the log's tail if the command exits or time runs out."""
+def wait_healthy(base: str, proc: subprocess.Popen, log_path: pathlib.Path, timeout_s: float,
+                 ready_line: str = "") -> None:
+    """Until `base`/health answers 200 and the log has ready_line (the command is done deploying); fails with the
+    log's tail if the command exits or time runs out."""
     deadline = time.monotonic() + timeout_s
-    while not healthy(base):
+    while not (ready_line in log_path.read_text(errors="replace") and healthy(base)):
         assert proc.poll() is None, f"{proc.args[0]} exited: {log_path.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"not healthy in time: {log_path.read_text()[-3000:]}"
         time.sleep(1.0)

@@ -49,7 +49,7 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
                                 stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base, proc, log_path, START_TIMEOUT_S)
+        wait_healthy(base, proc, log_path, START_TIMEOUT_S, ready_line="raypd: serving")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
         got: dict = {"text": "", "reason": None, "chunks": 0}
 
@@ -77,6 +77,12 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
             time.sleep(0.2)
         stream_alive_at_refusal = streaming.is_alive()
         assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
+        # /health (cluster.health, from what the ingress publishes each second) says so too
+        deadline = time.monotonic() + 10.0
+        while (health := httpx.get(f"{base}/health", timeout=30)).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"], health.text
+        assert health.headers.get("retry-after"), health.headers
         assert stream_alive_at_refusal, "the stream ended before the drain began: nothing shows it was waited for"
         streaming.join(120)
         assert got["reason"] == "length" and got["chunks"] >= 1500, got  # it finished, whole

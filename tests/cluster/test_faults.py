@@ -20,7 +20,7 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import POSTPROC_NAMESPACE, build_from_config
+from cluster.app import POSTPROC_NAMESPACE, deploy
 from cluster.config import parse_config
 from cluster.directory import Directory
 from llmapi import LLM, SamplingParams
@@ -49,11 +49,12 @@ def server(ray_cluster, tiny_llama):
         "http": {"host": "127.0.0.1", "port": port},
     })
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_from_config(config), name=APP, route_prefix="/")
+    deploy(config, APP)  # and its /health application
     base = f"http://127.0.0.1:{port}"
     _wait(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 60, "the deployment is not healthy")
     yield base
     serve.delete(APP)
+    serve.delete(f"{APP}-health")
     serve.shutdown()
     for i in range(2):
         ray.kill(ray.get_actor(f"raypd-postproc-{i}", namespace=POSTPROC_NAMESPACE))
@@ -221,8 +222,7 @@ def test_a_flood_is_served_or_shed_and_health_answers(server):
 
     async def flood():
         # aiohttp, not httpx: with 600 connections httpx's pool cost this process ~7 s of CPU for the flood (aiohttp:
-        # 0.2 s), and on two cores a load generator that busy starves the server it loads (/health then took 0.6-2.6 s
-        # with the server's own share varying run to run; with aiohttp 0.92-0.97 s in four runs).
+        # 0.2 s), and on two cores a load generator that busy starves the server it loads.
         connector = aiohttp.TCPConnector(limit=700)
         async with aiohttp.ClientSession(server, connector=connector,
                                          timeout=aiohttp.ClientTimeout(total=180)) as http:
@@ -246,7 +246,8 @@ def test_a_flood_is_served_or_shed_and_health_answers(server):
     assert set(statuses) <= {200, 429, 503}, sorted(set(statuses))
     assert statuses.count(200) > 0 and shed, "expected some requests served and some shed"
     assert all(r.headers.get("retry-after") for r in shed)
-    assert health_times and max(health_times) < 2.0 and not unhealthy, (health_times, unhealthy[:3])
+    # cluster.health answers in a replica of its own: the ingress's own /health waited 1-4 s behind the flood here
+    assert health_times and max(health_times) < 1.0 and not unhealthy, (health_times, unhealthy[:3])
 
 
 MALFORMED = [
