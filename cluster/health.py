@@ -15,10 +15,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from cluster.config import LimitsSettings
 from cluster.directory import Directory
 from cluster.openai_format import error_body
 
 INGRESS_STALE_S = 15.0
+_RETRY_AFTER_S = LimitsSettings.model_fields["retry_after_s"].default
 
 health_api = FastAPI(title="raypd health")
 
@@ -58,7 +60,7 @@ def verdict(directory: Directory) -> str | None:
 @serve.deployment(name="health", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(health_api)
 class Health:
-    def __init__(self, app_name: str, retry_after_s: int = 1):
+    def __init__(self, app_name: str, retry_after_s: int = _RETRY_AFTER_S):
         self._directory = Directory(app_name)
         self._retry_after_s = retry_after_s
 
@@ -77,4 +79,4 @@ def build_health_app(args: dict[str, Any]) -> serve.Application:
     if "app" not in args or unknown:
         raise ValueError(f"cluster.health:build_health_app takes args app (required) and retry_after_s; got "
                          f"{sorted(args)}")
-    return Health.bind(str(args["app"]), int(args.get("retry_after_s", 1)))
+    return Health.bind(str(args["app"]), int(args.get("retry_after_s", _RETRY_AFTER_S)))
