@@ -224,6 +224,11 @@ class RouterSettings(_Strict):
                            "serves no other request is prefilled on its decode replica (no decode step of its "
                            "to hold up; it skips the prefill hop, the KV transfer and a prefill engine gone cold). "
                            "Other ingress replicas' requests are not seen.")
+    direct_when_idle: bool = Field(
+        True, description="An ingress replica serving no other request sends a new request straight to a decode "
+                          "replica's control pipe (one that has served it before) instead of calling it through "
+                          "Serve: ~3.5 ms less TTFT at concurrency 1 on a 2-core host. Under load every request is "
+                          "a Serve call (Serve's router, queue limits and autoscaling see it).")
     transport: Literal["grpc", "ray"] = Field(
         "grpc", description="How the ingress calls the encoder, prefill and decode replicas: grpc (Serve's "
                             "inter-deployment gRPC server that every replica runs, on a port the OS picks; about half "

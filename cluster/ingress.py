@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from cluster.config import RaypdConfig
+from cluster.direct import DirectStarts
 from cluster.directory import Directory
 from cluster.edge import Admission, EdgeError, EdgeGate, EdgeLimits, Ticket
 from cluster.edge_images import BadImage, EdgeImages
@@ -76,6 +77,9 @@ class Ingress:
                                   local_prefill=self._local_prefill)
         self._lanes = self._open_lanes(postprocs)
         self.owner.lanes = self._lanes
+        if self._lanes is not None and config.router.direct_when_idle:  # direct starts go through the postproc path
+            self.owner.direct = DirectStarts(self.owner.control, asyncio.get_event_loop(),
+                                             ray.util.get_node_ip_address())
         self.metrics = Metrics()
         self._roles = [name for name, h in (("prefill", prefill), ("decode", decode)) if h is not None]
         replica = serve.get_replica_context().replica_id
@@ -274,8 +278,11 @@ class Ingress:
 
     def _look(self) -> None:
         self._role_stats = {role: self._directory.totals(role) for role in self._roles}
+        decode = self._directory.entries("decode") if self._local_prefill or self.owner.direct else []
         if self._local_prefill is not None:
-            self._local_prefill.update(self._directory.entries("decode"))
+            self._local_prefill.update(decode)
+        if self.owner.direct is not None:
+            self.owner.direct.update(decode)
         self._seen_live.update(role for role, stats in self._role_stats.items() if stats["replicas"])
         # A role counts as missing once it has been seen and is gone; before its first replica registers, Serve
         # itself holds requests until one is up.
@@ -293,3 +300,5 @@ class Ingress:
     def __del__(self):
         if getattr(self, "_lanes", None) is not None:
             self._lanes.close()
+        if getattr(self, "owner", None) is not None and self.owner.direct is not None:
+            self.owner.direct.close()

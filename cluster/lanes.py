@@ -111,4 +111,5 @@ class ToLoop:
             try:
                 self._deliver(out)
             except Exception:  # one bad delivery must not drop the rest of the burst
-                log.exception("delivering the output of request %s failed", out.client_id)
+                log.exception("delivering the output of request %s failed",
+                              getattr(out, "client_id", None) or getattr(out, "request_id", None))

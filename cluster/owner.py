@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from cluster.control import ControlClient
+from cluster.direct import DirectStarts, ReplicaGone
 from cluster.local_prefill import OwnerLoad
 from decode.worker import Abort, Accepted, Done, PostprocRoute, PostprocUnreachable, StopCandidates
 from llmapi.detokenized import DetokenizedGenerationResultBase
@@ -47,7 +48,7 @@ class NotAccepted(RuntimeError):
 
 
 LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, PostprocLost, PostprocUnreachable,
-        NotAccepted)
+        NotAccepted, ReplicaGone)
 
 
 class Roles(Protocol):
@@ -99,7 +100,8 @@ class RequestOwner:
     """lanes: with them, decoded tokens come back through the postproc workers (detokenized there) to on_output();
     without, the owner post-processes the decode stream itself. local_prefill: conditional disaggregation
     (cluster/local_prefill.py): called with a request and what else this owner serves; True to serve the request
-    whole on a decode replica (no KV transfer)."""
+    whole on a decode replica (no KV transfer). direct: an idle owner's way to a decode replica without a Serve
+    call (cluster/direct.py); set once the owner's loop runs (open_direct)."""
 
     def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: Lanes | None = None,
                  local_prefill: Callable[[RequestOutput, OwnerLoad], bool] | None = None):
@@ -112,7 +114,8 @@ class RequestOwner:
         self._ids = itertools.count(uuid.uuid4().int >> 80)  # unique across owners that share workers
         self._serving: dict[int, _Serving] = {}  # result id -> state
         self._via_lane: dict[int, tuple[_Serving, asyncio.Future]] = {}  # engine id -> state, final output
-        self.counters = {"resumed": 0, "prefill_lost": 0, "local_prefill": 0}
+        self.direct: DirectStarts | None = None
+        self.counters = {"resumed": 0, "prefill_lost": 0, "local_prefill": 0, "direct_start": 0}
         self._prefill_backlog = 0  # prompt tokens of this owner's requests waiting at prefill replicas
         self._loop: asyncio.AbstractEventLoop | None = None  # the owner's event loop: all its state lives there
 
@@ -264,8 +267,9 @@ class RequestOwner:
         worker lost meanwhile (on_postproc_lost) stops the call and resumes the request."""
         final = asyncio.get_running_loop().create_future()
         self._via_lane[s.engine_id] = (s, final)
-        call = asyncio.ensure_future(self._follow(s, role, self.roles.generate_via_postproc(
-            role, s.engine_id, s.result, params, resume, route)))
+        stream = self._direct_start(s, role, params, resume, route) or self.roles.generate_via_postproc(
+            role, s.engine_id, s.result, params, resume, route)
+        call = asyncio.ensure_future(self._follow(s, role, stream))
         try:
             await asyncio.wait({call, final}, return_when=asyncio.FIRST_COMPLETED)
             if final.done():
@@ -281,6 +285,18 @@ class RequestOwner:
             self._via_lane.pop(s.engine_id, None)
             if not final.done() or final.exception() is not None:
                 self._release(s, role)
+
+    def _direct_start(self, s: _Serving, role: str, params: DisaggregatedParams | None, resume: Resume | None,
+                      route: PostprocRoute) -> AsyncIterator[Accepted | Done] | None:
+        """The request's first decode call, made straight to a decode replica's pipe while this owner serves
+        nothing else (cluster/direct.py); None: call through the roles."""
+        if self.direct is None or role != "decode" or resume is not None or s.images or len(self._serving) != 1:
+            return None
+        target = self.direct.choose(s.result.prompt_token_ids, s.result.sampling_params.cache_salt)
+        if target is None:
+            return None
+        self.counters["direct_start"] += 1
+        return self.direct.generate_via_postproc(target, s.engine_id, s.result, params, route)
 
     async def _follow(self, s: _Serving, role: str, stream) -> None:
         async for item in _accepted_within(stream, ACCEPT_TIMEOUT_S):
@@ -319,6 +335,8 @@ class RequestOwner:
     # ---- replicas holding the request ----
     def _hold(self, s: _Serving, role: str, accepted: Accepted) -> None:
         s.holders[role] = (tuple(accepted.control), s.engine_id)
+        if role == "decode" and self.direct is not None:
+            self.direct.learn(accepted)
         if s.result.aborted():  # the abort came before the replica was known
             self.control.send(accepted.control, Abort(s.engine_id))
 

@@ -141,6 +141,7 @@ class DecodeReplica(DecodeWorker):
         postprocs = list(postprocs or [])
         super().__init__(model_dir, config, postproc_addrs(postprocs))
         self._membership = Membership(self, "decode", "prefill", postprocs)
+        self.replica_name = self._membership.replica_id  # named in Accepted: direct starts find this replica by it
 
     def record_routing_stats(self) -> dict:
         return routing_stats(self, "decode")

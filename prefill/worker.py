@@ -24,7 +24,7 @@ class PrefillWorker(DecodeWorker):
         lease; a call cancelled before the owner got it ends the lease here. images: an encoder's output
         (multimodal_embedding_handles and multimodal_hashes, one per image): the embeddings are read from the
         encoder over NIXL and spliced at the prompt's image positions."""
-        yield Accepted(self._control.addr)
+        yield self._accepted()
         mm = images or DisaggregatedParams()
         context = DisaggregatedParams(request_type="context_only",
                                       multimodal_embedding_handles=mm.multimodal_embedding_handles,

@@ -171,6 +171,38 @@ def test_a_killed_prefill_replica_fails_no_request(server, client, reference):
     _healthy_again(server)
 
 
+def _direct_starts(server) -> float:
+    """The ingress's count of requests it started on a decode replica without a Serve call (cluster/direct.py)."""
+    metrics = httpx.get(f"{server}/metrics", timeout=10).text
+    line = next(line for line in metrics.splitlines() if 'what="direct_start"' in line and 'role="ingress"' in line)
+    return float(line.split()[-1])
+
+
+def test_an_idle_ingress_starts_directly_and_a_killed_decode_replica_loses_none(server, client, reference):
+    """One request at a time: each after the first goes straight to the decode replica's control pipe (the first
+    teaches the ingress that pipe), token-identical; the decode replica killed under such a request: the ingress
+    finds it gone from the replica directory and resumes the stream elsewhere, token-identical."""
+    prompts = [f"direct start {i}: a b c d" for i in range(4)]
+    expected = [r.outputs[0].text for r in reference.generate(prompts, GREEDY, use_tqdm=False)]
+    before = _direct_starts(server)
+    texts = [client.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    assert texts == expected
+    assert _direct_starts(server) - before >= len(prompts) - 1
+
+    before = _direct_starts(server)
+    streams = Streams(client, ["direct start under a fault: e f g"])
+    streams.wait_midstream()
+    ray.kill(_replica("decode"), no_restart=True)
+    streams.join()
+    want = reference.generate(streams.prompts, GREEDY, use_tqdm=False)[0].outputs[0].text
+    FAULT_SUMMARY.append(("SIGKILL the decode replica under a direct start", f"1 stream x {MAX_TOKENS} tok",
+                          f"{1 - streams.lost([want])} completed exactly", streams.lost([want])))
+    assert _direct_starts(server) - before == 1
+    assert not streams.errors and streams.lost([want]) == 0, (streams.errors, streams.texts)
+    _healthy_again(server)
+
+
 _DIRECTORY: list[Directory] = []  # one reader for the whole module: it tells live entries from those of dead replicas
 
 
