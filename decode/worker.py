@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -24,14 +23,13 @@ from engine.worker import EngineWorker
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse, Resume
 from llmapi.sampling_params import SamplingParams
-from postproc.pipes import PipeAddr, PullPipe, PushPipe, new_pipe_key, tcp_address
+from postproc.pipes import PipeAddr, PullPipe, PushPipes, new_pipe_key, tcp_address
 from postproc.routing import PostprocSender
 from postproc.worker import PostprocParams
 
 log = logging.getLogger(__name__)
 _CONTROL_POLL_S = 0.1
 _REPLY_TIMEOUT_S = 0.5  # a live owner takes a reply at once; an owner gone loses its direct requests
-_MAX_REPLY_PIPES = 64  # owners come and go: the least recently used reply pipe is closed past this
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ class DecodeWorker(EngineWorker):
         self._sender: PostprocSender | None = None  # engine thread only, like its pipes
         self._routed: set[int] = set()  # requests whose responses go to the postproc workers (engine thread)
         self._direct: dict[int, PipeAddr] = {}  # request id -> its owner's reply pipe, for each Start (engine thread)
-        self._replies: OrderedDict[tuple, PushPipe] = OrderedDict()  # reply pipes (engine thread)
+        self._replies = PushPipes()  # to owners' reply pipes (engine thread)
         self.replica_name: str | None = None  # its Serve replica id, named in Accepted
         super().__init__(model_dir, config)
         self.card()  # start the KV plane now: the first request should not pay for it
@@ -215,8 +213,7 @@ class DecodeWorker(EngineWorker):
     def shutdown(self) -> None:
         self._control.close()
         super().shutdown()
-        for pipe in self._replies.values():
-            pipe.close()
+        self._replies.close()
 
     # ---- on the engine thread ----
     def _deliver(self, responses: list[EngineResponse]) -> None:
@@ -244,17 +241,12 @@ class DecodeWorker(EngineWorker):
         super()._fail_all(exc)
 
     def _reply(self, addr: PipeAddr, request_id: int, item) -> None:
-        key = tuple(addr)
-        pipe = self._replies.pop(key, None) or PushPipe(key)
-        self._replies[key] = pipe
-        while len(self._replies) > _MAX_REPLY_PIPES:
-            self._replies.popitem(last=False)[1].close()
         try:
-            pipe.put(Reply(request_id, item), timeout=_REPLY_TIMEOUT_S)
+            self._replies.get(addr).put(Reply(request_id, item), timeout=_REPLY_TIMEOUT_S)
         except TimeoutError:  # the owner is gone (its ingress replica died): so are its requests
             log.warning("the owner of request %d takes no replies: its direct requests are aborted", request_id)
-            self._replies.pop(key).close()
-            for rid in [rid for rid, a in self._direct.items() if tuple(a) == key] + [request_id]:
+            self._replies.drop(addr)
+            for rid in [rid for rid, a in self._direct.items() if tuple(a) == tuple(addr)] + [request_id]:
                 self._direct.pop(rid, None)
                 self.loop.engine.abort_request(rid)
 

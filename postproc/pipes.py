@@ -29,6 +29,7 @@ import math
 import os
 import pickle
 import time
+from collections import OrderedDict
 from typing import Any
 
 import zmq
@@ -275,3 +276,31 @@ class PushPipe(_Pipe):
 
     def _timeout(self, timeout: float) -> TimeoutError:
         return TimeoutError(f"pipe {self.addr[0]}: could not send within {timeout}s (peer gone or queue full)")
+
+
+class PushPipes:
+    """Push pipes by peer address, connected on first use; past `limit` the least recently used is closed (peers
+    come and go: restarts, rescaling). Belongs to one thread or event loop, like its pipes."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self._pipes: OrderedDict[tuple, PushPipe] = OrderedDict()
+
+    def get(self, addr: PipeAddr) -> PushPipe:
+        key = tuple(addr)
+        pipe = self._pipes.pop(key, None) or PushPipe(key)
+        self._pipes[key] = pipe
+        while len(self._pipes) > self.limit:
+            self._pipes.popitem(last=False)[1].close()
+        return pipe
+
+    def drop(self, addr: PipeAddr) -> None:
+        """Closes the pipe to a peer that is gone; a later get() connects afresh."""
+        pipe = self._pipes.pop(tuple(addr), None)
+        if pipe is not None:
+            pipe.close()
+
+    def close(self) -> None:
+        for pipe in self._pipes.values():
+            pipe.close()
+        self._pipes.clear()

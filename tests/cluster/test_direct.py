@@ -47,96 +47,81 @@ def replicas():
         r.pipe.close()
 
 
-async def _direct() -> DirectStarts:
-    return DirectStarts(ControlClient(), asyncio.get_running_loop(), "127.0.0.1")
-
-
-def test_a_replica_is_chosen_only_when_every_live_one_is_known_and_the_least_loaded_wins(replicas):
+def _with_direct(body) -> None:
+    """Runs `await body(direct)` with a DirectStarts on a fresh event loop, closed after."""
     async def run():
-        direct = await _direct()
+        direct = DirectStarts(ControlClient(), asyncio.get_running_loop(), "127.0.0.1")
         try:
-            assert direct.choose([1, 2, 3], None) is None  # nothing in the directory yet
-            direct.update([_entry("r1", 500), _entry("r2", 100)])
-            direct.learn(replicas[0].accepted())
-            assert direct.choose([1, 2, 3], None) is None  # r2 is live and its pipe unknown: it might be the best
-            direct.learn(replicas[1].accepted())
-            assert direct.choose([1, 2, 3], None) == ("r2", replicas[1].pipe.addr)
-            direct.update([_entry("r1", 500)])  # r2 left the directory
-            await asyncio.sleep(0.05)
-            assert direct.choose([1, 2, 3], None) == ("r1", replicas[0].pipe.addr)
-            direct.learn(Accepted(replicas[1].pipe.addr, None))  # a replica without a Serve id is never chosen
-            direct.update([_entry("r1", 500), _entry("r2", 0)])
-            assert direct.choose([1, 2, 3], None) is None
+            await body(direct)
         finally:
             direct.close()
     asyncio.run(run())
+
+
+async def _start(direct: DirectStarts, replica: Replica, request_id: int):
+    """Starts a request on `replica`: (the stream's first item, pending; the Start as the replica read it)."""
+    stream = direct.generate_via_postproc((replica.name, replica.pipe.addr), request_id, _result(request_id), None,
+                                          ROUTE)
+    first = asyncio.ensure_future(stream.__anext__())
+    return stream, first, await asyncio.to_thread(replica.pipe.get, 5.0)
+
+
+def test_a_replica_is_chosen_only_when_every_live_one_is_known_and_the_least_loaded_wins(replicas):
+    async def body(direct):
+        assert direct.choose([1, 2, 3], None) is None  # nothing in the directory yet
+        direct.update([_entry("r1", 500), _entry("r2", 100)])
+        direct.learn(replicas[0].accepted())
+        assert direct.choose([1, 2, 3], None) is None  # r2 is live and its pipe unknown: it might be the best
+        direct.learn(replicas[1].accepted())
+        assert direct.choose([1, 2, 3], None) == ("r2", replicas[1].pipe.addr)
+        direct.update([_entry("r1", 500)])  # r2 left the directory
+        await asyncio.sleep(0.05)
+        assert direct.choose([1, 2, 3], None) == ("r1", replicas[0].pipe.addr)
+        direct.learn(Accepted(replicas[1].pipe.addr, None))  # a replica without a Serve id is never chosen
+        direct.update([_entry("r1", 500), _entry("r2", 0)])
+        assert direct.choose([1, 2, 3], None) is None
+    _with_direct(body)
 
 
 def test_the_start_reaches_the_replica_and_its_replies_are_the_calls_stream(replicas):
     replica = replicas[0]
 
-    async def run():
-        direct = await _direct()
-        try:
-            direct.update([_entry("r1", 0)])
-            stream = direct.generate_via_postproc(("r1", replica.pipe.addr), 41, _result(41), None, ROUTE)
-            first = asyncio.ensure_future(stream.__anext__())
-            start = await asyncio.to_thread(replica.pipe.get, 5.0)
-            assert isinstance(start, Start)
-            assert (start.request_id, start.prompt_token_ids, start.route) == (41, [5, 6, 7], ROUTE)
-            back = PushPipe(start.reply)
-            try:
-                back.put(Reply(41, replica.accepted()))
-                assert await asyncio.wait_for(first, 5) == replica.accepted()
-                back.put(Reply(99, Done()))  # another request's reply: not this stream's
-                back.put(Reply(41, Done()))
-                assert [item async for item in stream] == [Done()]
-            finally:
-                back.close()
-        finally:
-            direct.close()
-    asyncio.run(run())
+    async def body(direct):
+        direct.update([_entry("r1", 0)])
+        stream, first, start = await _start(direct, replica, 41)
+        assert isinstance(start, Start)
+        assert (start.request_id, start.prompt_token_ids, start.route) == (41, [5, 6, 7], ROUTE)
+        with PushPipe(start.reply) as back:
+            back.put(Reply(41, replica.accepted()))
+            assert await asyncio.wait_for(first, 5) == replica.accepted()
+            back.put(Reply(99, Done()))  # another request's reply: not this stream's
+            back.put(Reply(41, Done()))
+            assert [item async for item in stream] == [Done()]
+    _with_direct(body)
 
 
 def test_an_error_the_replica_reports_is_raised_by_the_stream(replicas):
-    replica = replicas[0]
-
-    async def run():
-        direct = await _direct()
-        try:
-            stream = direct.generate_via_postproc(("r1", replica.pipe.addr), 7, _result(7), None, ROUTE)
-            first = asyncio.ensure_future(stream.__anext__())
-            start = await asyncio.to_thread(replica.pipe.get, 5.0)
-            back = PushPipe(start.reply)
-            try:
-                back.put(Reply(7, ValueError("prompt (3 tokens) + max_tokens (4) exceeds the context length 5")))
-                with pytest.raises(ValueError, match="context length"):
-                    await asyncio.wait_for(first, 5)
-            finally:
-                back.close()
-        finally:
-            direct.close()
-    asyncio.run(run())
+    async def body(direct):
+        _, first, start = await _start(direct, replicas[0], 7)
+        with PushPipe(start.reply) as back:
+            back.put(Reply(7, ValueError("prompt (3 tokens) + max_tokens (4) exceeds the context length 5")))
+            with pytest.raises(ValueError, match="context length"):
+                await asyncio.wait_for(first, 5)
+    _with_direct(body)
 
 
 def test_a_replica_that_leaves_the_directory_fails_its_started_requests(replicas):
     replica = replicas[0]
 
-    async def run():
-        direct = await _direct()
-        try:
-            direct.update([_entry("r1", 0)])
-            direct.learn(replica.accepted())
-            stream = direct.generate_via_postproc(("r1", replica.pipe.addr), 8, _result(8), None, ROUTE)
-            first = asyncio.ensure_future(stream.__anext__())
-            await asyncio.to_thread(replica.pipe.get, 5.0)
-            direct.update([])  # killed: its entry went stale
-            with pytest.raises(ReplicaGone, match="left the replica directory"):
-                await asyncio.wait_for(first, 5)
-            assert direct.choose([1], None) is None  # and its pipe is forgotten
-        finally:
-            direct.close()
-    asyncio.run(run())
+    async def body(direct):
+        direct.update([_entry("r1", 0)])
+        direct.learn(replica.accepted())
+        _, first, _ = await _start(direct, replica, 8)
+        direct.update([])  # killed: its entry went stale
+        with pytest.raises(ReplicaGone, match="left the replica directory"):
+            await asyncio.wait_for(first, 5)
+        assert direct.choose([1], None) is None  # and its pipe is forgotten
+    _with_direct(body)
 
 
 def test_a_start_no_replica_takes_fails_at_once():
@@ -144,12 +129,8 @@ def test_a_start_no_replica_takes_fails_at_once():
     addr = gone.addr
     gone.close()  # nothing listens there any more
 
-    async def run():
-        direct = await _direct()
-        try:
-            stream = direct.generate_via_postproc(("r1", addr), 9, _result(9), None, ROUTE)
-            with pytest.raises(ReplicaGone, match="takes no messages"):
-                await asyncio.wait_for(stream.__anext__(), 5)
-        finally:
-            direct.close()
-    asyncio.run(run())
+    async def body(direct):
+        stream = direct.generate_via_postproc(("r1", addr), 9, _result(9), None, ROUTE)
+        with pytest.raises(ReplicaGone, match="takes no messages"):
+            await asyncio.wait_for(stream.__anext__(), 5)
+    _with_direct(body)

@@ -16,6 +16,7 @@ import zmq
 from postproc.pipes import (
     PullPipe,
     PushPipe,
+    PushPipes,
     is_loopback,
     new_pipe_key,
     sign,
@@ -275,3 +276,26 @@ def test_ipv6_loopback(key):
         assert pull.addr[0].startswith("tcp://[::1]:")
         push.put(TokenBatch(6, (6,)))
         assert pull.get(timeout=5) == TokenBatch(6, (6,))
+
+
+def test_push_pipes_reuse_a_peers_pipe_and_close_the_least_recently_used_past_the_limit():
+    pulls = [PullPipe((tcp_address("127.0.0.1"), new_pipe_key())) for _ in range(3)]
+    pipes = PushPipes(limit=2)
+    try:
+        first = pipes.get(pulls[0].addr)
+        assert pipes.get(pulls[0].addr) is first
+        second = pipes.get(pulls[1].addr)
+        pipes.get(pulls[0].addr)  # used again: pulls[1]'s pipe is now the least recently used
+        pipes.get(pulls[2].addr)
+        with pytest.raises(RuntimeError, match="closed"):
+            second.put("x")
+        first.put("still open", timeout=5)
+        assert pulls[0].get(timeout=5) == "still open"
+        pipes.drop(pulls[0].addr)
+        with pytest.raises(RuntimeError, match="closed"):
+            first.put("x")
+        assert pipes.get(pulls[0].addr) is not first
+    finally:
+        pipes.close()
+        for p in pulls:
+            p.close()
