@@ -107,7 +107,10 @@ def _config(url: str, **overrides) -> BenchConfig:
 
 def test_measures_the_servers_delays(server):
     url, state = server
-    result = run_benchmark(_config(url, concurrency=4))
+    # One warm-up request first, so a fresh client's and server's one-time setup is not counted as the server's delay.
+    # A fresh-clone CI run, where this is the first request of the suite, once measured TTFT p50 211 ms here (the
+    # cause was not reproduced: under two busy cores it stays near 50 ms with or without the warm-up).
+    result = run_benchmark(_config(url, concurrency=4, num_warmups=1))
     assert (result.completed, result.failed, result.output_tokens) == (8, 0, 8 * 6)
     assert all(b["stream"] and b["ignore_eos"] and b["max_tokens"] == 6 for b in state.bodies)
     ttft, itl, tpot = (result.latency_ms(m) for m in ("ttft", "itl", "tpot"))
