@@ -29,11 +29,13 @@ HANG_MODEL = "hangs"
 @dataclasses.dataclass
 class ServerState:
     bodies: list = dataclasses.field(default_factory=list)
+    first_chunk_s: list = dataclasses.field(default_factory=list)  # per request: arrival to first chunk, as served
     in_flight: int = 0
     peak: int = 0
 
     def reset(self) -> None:
         self.bodies.clear()
+        self.first_chunk_s.clear()
         self.peak = 0
 
 
@@ -46,11 +48,13 @@ def _fake_openai(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        arrived = time.perf_counter()
         body = await request.json()
         state.bodies.append(body)
         if body["model"] not in (MODEL, HANG_MODEL):
             return JSONResponse({"error": {"message": f"model {body['model']!r} not found"}}, status_code=404)
-        return StreamingResponse(_stream(state, body["max_tokens"], _ttft(body)), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, body["max_tokens"], _ttft(body), arrived),
+                                 media_type="text/event-stream")
 
     return app
 
@@ -61,11 +65,12 @@ def _ttft(body: dict) -> float:
     return SLOW_TTFT_S if len(body["prompt"].split()) > SLOW_ABOVE_WORDS else TTFT_S
 
 
-async def _stream(state: ServerState, n: int, ttft: float):
+async def _stream(state: ServerState, n: int, ttft: float, arrived: float):
     state.in_flight += 1
     state.peak = max(state.peak, state.in_flight)
     try:
         await asyncio.sleep(ttft)
+        state.first_chunk_s.append(time.perf_counter() - arrived)
         for i in range(n):
             if i:
                 await asyncio.sleep(ITL_S)
@@ -107,15 +112,16 @@ def _config(url: str, **overrides) -> BenchConfig:
 
 def test_measures_the_servers_delays(server):
     url, state = server
-    # One warm-up request first, so a fresh client's and server's one-time setup is not counted as the server's delay.
-    # A fresh-clone CI run, where this is the first request of the suite, once measured TTFT p50 211 ms here (the
-    # cause was not reproduced: under two busy cores it stays near 50 ms with or without the warm-up).
-    result = run_benchmark(_config(url, concurrency=4, num_warmups=1))
+    result = run_benchmark(_config(url, concurrency=4))
     assert (result.completed, result.failed, result.output_tokens) == (8, 0, 8 * 6)
     assert all(b["stream"] and b["ignore_eos"] and b["max_tokens"] == 6 for b in state.bodies)
     ttft, itl, tpot = (result.latency_ms(m) for m in ("ttft", "itl", "tpot"))
     # Lower bounds are exact (the server sleeps at least this long); upper bounds leave room for a busy 2-core host.
-    assert TTFT_S * 1e3 <= ttft.p50 < TTFT_S * 1e3 + 100
+    # TTFT's counts from the server's first chunks as it actually sent them: twice in fresh-clone CI runs, right after
+    # installing, the client measured 193-211 ms against the 50 ms asked for (never reproduced; a host stall would
+    # make the server's own sleeps that long too), so a stalled host no longer reads as a client measuring wrong.
+    served_ms = statistics.median(state.first_chunk_s) * 1e3
+    assert TTFT_S * 1e3 <= ttft.p50 < served_ms + 100
     assert ITL_S * 1e3 * 0.75 <= itl.p50 < ITL_S * 1e3 + 40
     assert ITL_S * 1e3 * 0.9 <= tpot.p50 < ITL_S * 1e3 + 40
     assert len(result.samples_ms("itl")) == 8 * 5
