@@ -101,7 +101,7 @@ class RequestOwner:
     without, the owner post-processes the decode stream itself. local_prefill: conditional disaggregation
     (cluster/local_prefill.py): called with a request and what else this owner serves; True to serve the request
     whole on a decode replica (no KV transfer). direct: an idle owner's way to a decode replica without a Serve
-    call (cluster/direct.py); set once the owner's loop runs (open_direct)."""
+    call (cluster/direct.py); the ingress sets it once its event loop runs."""
 
     def __init__(self, roles: Roles, tokenizer, request_timeout_s: float = 300.0, lanes: Lanes | None = None,
                  local_prefill: Callable[[RequestOutput, OwnerLoad], bool] | None = None):
