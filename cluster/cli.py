@@ -107,8 +107,8 @@ def _add_bench(sub) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from cluster.bench import BenchConfig, run_benchmark
-    from cluster.bench_report import format_table, plot_latency_cdfs, write_json
+    from benchmarks.client import BenchConfig, run_benchmark
+    from benchmarks.report import format_table, plot_latency_cdfs, write_json
 
     config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
     results = {args.base_url: run_benchmark(config)}
@@ -141,9 +141,9 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import deploy
-    from cluster.directory import Directory
-    from cluster.ingress import DRAINING_KEY
+    from cluster.serving.app import deploy
+    from cluster.serving.directory import Directory
+    from cluster.edge.ingress import DRAINING_KEY
 
     # Replica warnings (re-prefills, lease expiries, transfer timeouts, dropped messages) reach this console;
     # Serve's own chatter (access logs, info) does not.
@@ -187,7 +187,7 @@ def use_haproxy() -> None:
 def _drain(directory, grace_s: float) -> None:
     """Stops accepting (every ingress replica answers 503 within a second) and waits, at most grace_s, until no
     request is in flight."""
-    from cluster.ingress import DRAINING_KEY
+    from cluster.edge.ingress import DRAINING_KEY
 
     print(f"raypd: stopping: new requests get 503; waiting up to {grace_s:.0f} s for those in flight", flush=True)
     directory.set_flag(DRAINING_KEY + _APP.encode())
@@ -236,7 +236,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError("plan --attainment must be in (0, 1] and --max-replicas >= 1")
     if args.calibrate is not None and (len(args.calibrate) < 2 or min(args.calibrate) <= 0):
         raise ConfigError(f"plan --calibrate needs two or more request rates > 0, got {args.calibrate}")
-    from cluster import plan, plan_check
+    from benchmarks import plan_check
+    from cluster.planning import plan
 
     workload = plan.Workload(args.input_len, args.output_len, args.range_ratio, args.request_rate,
                              args.num_requests, args.seed)

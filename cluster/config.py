@@ -17,7 +17,7 @@ import yaml
 from pydantic import (BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from cluster.autoscaling import DECODE_SIGNALS, PREFILL_SIGNALS
+from cluster.planning.autoscaling import DECODE_SIGNALS, PREFILL_SIGNALS
 
 _SLO_SIGNALS = {"prefill": PREFILL_SIGNALS, "decode": DECODE_SIGNALS}
 
@@ -31,7 +31,7 @@ class _Strict(BaseModel):
 
 
 class SloTargets(_Strict):
-    """Per-replica targets a role's SLO autoscaling policy (cluster/autoscaling.py) scales toward: Serve keeps
+    """Per-replica targets a role's SLO autoscaling policy (cluster/planning/autoscaling.py) scales toward: Serve keeps
     replicas * max(metric mean / target) running. Only the role's own signals: prefill queued_prompt_tokens and
     ttft_ms, decode running_seqs, kv_usage and tpot_ms. Each unset one is not weighed."""
 
@@ -77,7 +77,7 @@ class Autoscaling(_Strict):
         """Serve's autoscaling_config: ongoing requests, or the SLO policy with the targets as its kwargs."""
         options = self.model_dump(exclude={"slo"})
         if self.slo is not None:
-            options["policy"] = {"policy_function": "cluster.autoscaling:RolePolicy",
+            options["policy"] = {"policy_function": "cluster.planning.autoscaling:RolePolicy",
                                  "policy_kwargs": {"targets": self.slo.targets()}}
         return options
 
@@ -133,7 +133,7 @@ class Role(_Strict):
 
 
 class EngineSettings(_Strict):
-    """What every prefill and decode engine is built with (engine.engine.EngineConfig)."""
+    """What every prefill and decode engine is built with (engine.core.engine.EngineConfig)."""
 
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model and its KV blocks live.")
     block_size: int = Field(16, ge=1, description="Tokens per KV block; prefill and decode must agree.")
@@ -332,7 +332,7 @@ class RaypdConfig(_Strict):
         path = pathlib.Path(value).expanduser()
         if not path.is_dir():
             raise ValueError(f"no model directory at {value!r} (looked in {path.absolute()}); "
-                             f"`python -m engine.tiny {value}` builds the default tiny model")
+                             f"`python -m engine.tools.tiny {value}` builds the default tiny model")
         if not (path / "config.json").is_file():
             raise ValueError(f"{value!r} has no config.json: not a Hugging Face checkpoint directory")
         return str(path.resolve())
@@ -381,9 +381,9 @@ class RaypdConfig(_Strict):
         return "vision_config" in json.loads((pathlib.Path(self.model) / "config.json").read_text())
 
     def encoder_config(self, cluster_key: bytes | None = None) -> Any:
-        """The engine.encoder.EncoderConfig every encoder replica is built with: the engines' dtype, device and
+        """The engine.multimodal.encoder.EncoderConfig every encoder replica is built with: the engines' dtype, device and
         threads (prefill splices the embeddings in the dtype they were made in)."""
-        from engine.encoder import EncoderConfig
+        from engine.multimodal.encoder import EncoderConfig
 
         e, m = self.engine, self.multimodal
         return EncoderConfig(dtype=self.dtype, device=e.device,
@@ -391,9 +391,9 @@ class RaypdConfig(_Strict):
                              lease_s=m.embedding_lease_s, cluster_key=cluster_key)
 
     def engine_config(self, cluster_key: bytes | None = None, role: str | None = None) -> Any:
-        """The engine.engine.EngineConfig the engines of this deployment are built with; role ("prefill" or
+        """The engine.core.engine.EngineConfig the engines of this deployment are built with; role ("prefill" or
         "decode"): with that role's own KV pool when it sets one."""
-        from engine.engine import EngineConfig  # imports torch: only where an engine is built, not for the CLI
+        from engine.core.engine import EngineConfig  # imports torch: only where an engine is built, not for the CLI
 
         e = self.engine
         pool = {"num_blocks": e.num_blocks} if e.num_blocks else {}

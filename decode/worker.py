@@ -4,7 +4,7 @@ Every call that serves a request streams: first `Accepted`, naming this replica'
 `Abort` and `StopCandidates` for it, whatever happens to the call itself), then the request's responses. Serve gives no
 handle on one replica; the control pipe is how the owner reaches the replica that holds its request.
 
-An owner that knows the pipe may also send a request there without a call (`Start`: cluster/direct.py says when).
+An owner that knows the pipe may also send a request there without a call (`Start`: cluster/owner/direct.py says when).
 The replica serves it as generate_via_postproc would and reports what that call would stream, Accepted then Done or
 the error, as `Reply` messages to the owner's reply pipe.
 """
@@ -18,8 +18,8 @@ from typing import AsyncIterator
 
 import ray
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.worker import EngineWorker
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.worker import EngineWorker
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse, Resume
 from llmapi.sampling_params import SamplingParams
@@ -35,7 +35,7 @@ _REPLY_TIMEOUT_S = 0.5  # a live owner takes a reply at once; an owner gone lose
 @dataclass(frozen=True)
 class Accepted:
     """A replica took a request: its control pipe, for the owner's Abort, StopCandidates and Start; replica: its
-    Serve replica id where it has one (cluster/direct.py matches pipes to the replica directory by it)."""
+    Serve replica id where it has one (cluster/owner/direct.py matches pipes to the replica directory by it)."""
 
     control: PipeAddr
     replica: str | None = None

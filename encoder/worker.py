@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import ray
 
-from engine.encoder import EncoderConfig, EncoderEngine
-from engine.multimodal import ImageItem
+from engine.multimodal.encoder import EncoderConfig, EncoderEngine
+from engine.multimodal.processing import ImageItem
 from llmapi.disaggregated_params import DisaggregatedParams
 
 

@@ -5,7 +5,7 @@ It runs wherever post-processing runs: in the embedded LLM's loop (no postproc w
 
 from __future__ import annotations
 
-from engine.detokenizer import CandidateText
+from postproc.detokenizer import CandidateText
 from llmapi.outputs import CompletionDelta, EngineResponse, ResultDelta, TokenDelta
 from llmapi.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ class MultimodalEmbeddingHandle:
     """One image's embeddings, made by a MultimodalEncoder and held in its NIXL-registered arena under a lease.
 
     num_tokens, hidden_size and dtype describe the (num_tokens, hidden_size) tensor for the reader's checks; `signed`
-    is what the reader trusts: HMAC-signed JSON (engine/embedding_handle.py) naming the encoder's agent, the arena
+    is what the reader trusts: HMAC-signed JSON (engine/multimodal/embedding_handle.py) naming the encoder's agent, the arena
     slot (region index) and its generation, the lease and its deadline, the model fingerprint and the content hash.
     """
 

@@ -8,10 +8,10 @@ from typing import Sequence
 
 from transformers import AutoTokenizer
 
-from engine.engine import EngineConfig, LLMEngine, nixl_connector
-from engine.image_inputs import ImageInputs, PreparedPrompt
-from engine.kv_handle import KVHandle
-from engine.loop import EngineLoop
+from engine.core.engine import EngineConfig, LLMEngine, nixl_connector
+from engine.multimodal.image_inputs import ImageInputs, PreparedPrompt
+from engine.kv.kv_handle import KVHandle
+from engine.core.loop import EngineLoop
 from llmapi.batch import Prompt, as_prompt_list, split_prompt, wait_all
 from llmapi.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.encoder import EncoderConfig, EncoderEngine
-from engine.multimodal import ImageLimits, MultimodalProcessor
+from engine.multimodal.encoder import EncoderConfig, EncoderEngine
+from engine.multimodal.processing import ImageLimits, MultimodalProcessor
 from llmapi.batch import Prompt, as_prompt_list, split_prompt
 from llmapi.disaggregated_params import DisaggregatedParams
 

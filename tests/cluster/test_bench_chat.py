@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench import BenchConfig, BenchResult, RequestRecord, make_workload, run_benchmark, system_prompt
+from benchmarks.client import BenchConfig, BenchResult, RequestRecord, make_workload, run_benchmark, system_prompt
 from cluster.config import ConfigError
 from tests.cluster.test_bench_client import MODEL, _config, endpoint, server  # noqa: F401 (fixtures)
 

@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster.bench import BenchConfig, BenchResult, make_workload, run_benchmark
+from benchmarks.client import BenchConfig, BenchResult, make_workload, run_benchmark
 from cluster.cli import main
 
 TTFT_S, SLOW_TTFT_S, ITL_S = 0.05, 0.3, 0.02

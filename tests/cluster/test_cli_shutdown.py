@@ -17,7 +17,7 @@ import httpx
 import openai
 import yaml
 
-from engine.tiny import build_tiny_llava
+from engine.tools.tiny import build_tiny_llava
 from tests.cluster.procs import processes_in, wait_healthy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
             time.sleep(0.2)
         stream_alive_at_refusal = streaming.is_alive()
         assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
-        # /health (cluster.health, from what the ingress publishes each second) says so too
+        # /health (cluster.serving.health, from what the ingress publishes each second) says so too
         deadline = time.monotonic() + 10.0
         while (health := httpx.get(f"{base}/health", timeout=30)).status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.2)

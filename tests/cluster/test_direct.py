@@ -1,4 +1,4 @@
-"""The owner's side of direct starts (cluster/direct.py) over real pipes: which decode replica it picks, what reaches
+"""The owner's side of direct starts (cluster/owner/direct.py) over real pipes: which decode replica it picks, what reaches
 the replica's control pipe, how the replica's replies come back as the call's stream, and what fails the start. The
 whole path on Serve, with a decode replica killed under it, is tested in test_faults."""
 
@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from cluster.control import ControlClient
-from cluster.direct import DirectStarts, ReplicaGone
-from cluster.directory import Entry
-from cluster.routing_policy import ReplicaState
+from cluster.owner.control import ControlClient
+from cluster.owner.direct import DirectStarts, ReplicaGone
+from cluster.serving.directory import Entry
+from cluster.routing.policy import ReplicaState
 from decode.worker import Accepted, Done, PostprocRoute, Reply, Start
 from llmapi.result import RequestOutput
 from llmapi.sampling_params import SamplingParams

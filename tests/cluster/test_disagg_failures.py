@@ -7,8 +7,8 @@ import time
 import pytest
 import ray
 
-from cluster.launch import start_workers
-from engine.engine import EngineConfig
+from cluster.serving.launch import start_workers
+from engine.core.engine import EngineConfig
 from llmapi import LLM, SamplingParams
 
 CONFIG = EngineConfig(block_size=4, num_threads=1)

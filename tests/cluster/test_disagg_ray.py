@@ -7,9 +7,9 @@ import time
 import pytest
 import ray
 
-from cluster.client import DisaggregatedClient
-from cluster.launch import start_workers
-from engine.engine import EngineConfig
+from cluster.owner.client import DisaggregatedClient
+from cluster.serving.launch import start_workers
+from engine.core.engine import EngineConfig
 from llmapi import LLM, SamplingParams
 
 PROMPTS = ["The history of the", "café 你好 🙂 naïve", "one two three four five six seven eight nine ten"]

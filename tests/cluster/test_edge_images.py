@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from cluster.config import MultimodalSettings
-from cluster.edge_images import BadImage, EdgeImages
+from cluster.edge.images import BadImage, EdgeImages
 from tests.engine.images import random_images
 
 PART = "messages[0].content[1]"

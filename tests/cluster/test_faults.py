@@ -20,9 +20,9 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import POSTPROC_NAMESPACE, deploy
+from cluster.serving.app import POSTPROC_NAMESPACE, deploy
 from cluster.config import parse_config
-from cluster.directory import Directory
+from cluster.serving.directory import Directory
 from llmapi import LLM, SamplingParams
 from tests.cluster.conftest import FAULT_SUMMARY
 
@@ -172,7 +172,7 @@ def test_a_killed_prefill_replica_fails_no_request(server, client, reference):
 
 
 def _direct_starts(server) -> float:
-    """The ingress's count of requests it started on a decode replica without a Serve call (cluster/direct.py)."""
+    """The ingress's count of requests it started on a decode replica without a Serve call (cluster/owner/direct.py)."""
     metrics = httpx.get(f"{server}/metrics", timeout=10).text
     line = next(line for line in metrics.splitlines() if 'what="direct_start"' in line and 'role="ingress"' in line)
     return float(line.split()[-1])
@@ -278,7 +278,7 @@ def test_a_flood_is_served_or_shed_and_health_answers(server):
     assert set(statuses) <= {200, 429, 503}, sorted(set(statuses))
     assert statuses.count(200) > 0 and shed, "expected some requests served and some shed"
     assert all(r.headers.get("retry-after") for r in shed)
-    # cluster.health answers in a replica of its own: the ingress's own /health waited 1-4 s behind the flood here
+    # cluster.serving.health answers in a replica of its own: the ingress's own /health waited 1-4 s behind the flood here
     assert health_times and max(health_times) < 1.0 and not unhealthy, (health_times, unhealthy[:3])
 
 

@@ -1,4 +1,4 @@
-"""cluster.health's verdict, from entries in a real Ray's key-value store (the replica directory)."""
+"""cluster.serving.health's verdict, from entries in a real Ray's key-value store (the replica directory)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import cluster.directory
-from cluster.directory import Directory
-from cluster.health import INGRESS_STALE_S, verdict
+import cluster.serving.directory
+from cluster.serving.directory import Directory
+from cluster.serving.health import INGRESS_STALE_S, verdict
 
 APP = "health-test"
 _apps = itertools.count()
@@ -39,7 +39,7 @@ def test_each_problem_of_every_live_ingress_is_named_once(directory):
 
 def test_an_ingress_that_stopped_refreshing_counts_as_gone(directory, monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr(cluster.directory, "time", SimpleNamespace(monotonic=lambda: now[0]))  # its clock alone
+    monkeypatch.setattr(cluster.serving.directory, "time", SimpleNamespace(monotonic=lambda: now[0]))  # its clock alone
     directory.publish("ingress", "a", None, {}, 1)
     directory.publish("ingress", "b", None, {}, 1, problem="the prefill role has no live replica")
     assert verdict(directory) == "the prefill role has no live replica"

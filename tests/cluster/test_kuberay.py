@@ -78,8 +78,8 @@ def test_the_schema_check_catches_the_usual_mistakes(validator, manifest, path, 
 def test_serve_config_and_raypd_args_are_valid(manifest, tmp_path, monkeypatch):
     serve_config = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
     app, health = serve_config.applications
-    assert (app.import_path, app.route_prefix, serve_config.http_options.port) == ("cluster.app:build_app", "/", 8000)
-    assert (health.import_path, health.route_prefix, health.args) == ("cluster.health:build_health_app", "/health",
+    assert (app.import_path, app.route_prefix, serve_config.http_options.port) == ("cluster.serving.app:build_app", "/", 8000)
+    assert (health.import_path, health.route_prefix, health.args) == ("cluster.serving.health:build_health_app", "/health",
                                                                      {"app": app.name})
     # Every raypd key as build_app will read it; only the model path is local here (it exists in the pods).
     (tmp_path / "config.json").write_text("{}")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import ray
 
-from cluster.client import DisaggregatedClient
-from cluster.launch import start_workers
-from engine.encoder import EncoderConfig
-from engine.engine import EngineConfig
+from cluster.owner.client import DisaggregatedClient
+from cluster.serving.launch import start_workers
+from engine.multimodal.encoder import EncoderConfig
+from engine.core.engine import EngineConfig
 from llmapi import LLM, SamplingParams
 from tests.cluster.test_disagg_ray import pools_full
 from tests.engine.images import PROMPTS, case, mm

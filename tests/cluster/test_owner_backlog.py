@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.local_prefill import LocalPrefill
-from cluster.owner import NotAccepted, RequestOwner
+from cluster.routing.local_prefill import LocalPrefill
+from cluster.owner.owner import NotAccepted, RequestOwner
 from decode.worker import Accepted
 from llmapi.outputs import EngineResponse, TokenDelta
 from llmapi.sampling_params import SamplingParams

@@ -11,8 +11,8 @@ import yaml
 
 from cluster.cli import main
 from cluster.config import load_config
-from cluster.plan import Grid, Outcome, Profile, Workload, fit, plan_yaml, profile, requests_of, search, simulate
-from cluster.simulator import EngineShape, Overheads, SimRequest, Simulation, StepModel
+from cluster.planning.plan import Grid, Outcome, Profile, Workload, fit, plan_yaml, profile, requests_of, search, simulate
+from cluster.planning.simulator import EngineShape, Overheads, SimRequest, Simulation, StepModel
 
 # step seconds = 1 ms + 10 us per token + 100 us per sequence (no attention terms): easy to add up by hand
 MODEL = StepModel((1e-3, 1e-5, 1e-4, 0.0, 0.0))
@@ -102,7 +102,7 @@ def test_plan_yaml_is_a_valid_deployment_with_the_counts(tmp_path, tiny_llama):
     source = tmp_path / "in.yaml"
     source.write_text(yaml.safe_dump({"model": tiny_llama, "decode": {"autoscaling": {"max_replicas": 3}},
                                       "router": {"policy": "prefix_aware"}}))
-    from cluster.bench import Percentiles
+    from benchmarks.client import Percentiles
     best = Outcome(2, 3, Percentiles(1, 1, 1, 1), Percentiles(1, 1, 1, 1), 1.0, 5.0, 10.0)
     out = tmp_path / "plan.yaml"
     out.write_text(plan_yaml(source, best))
@@ -187,7 +187,7 @@ def _poisson(rate: float, n: int, seed: int) -> list[SimRequest]:
     ((40.0, 160.0), 3.0, 0.002),  # slower steps, more sequences batched
 ])
 def test_the_overhead_fit_reproduces_the_p50s_of_known_overheads(rates, step_scale, seq_step_s):
-    from cluster.plan_check import _fit_overheads
+    from benchmarks.plan_check import _fit_overheads
 
     truth = Overheads(ttft_s=0.004, step_scale=step_scale, seq_step_s=seq_step_s, ttft_per_request_s=0.0008)
     prof = Profile("m", SHAPE, MODEL, 0.0, 0, 1)

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.autoscaling import RolePolicy, desired_replicas
-from cluster.directory import Entry
-from cluster.local_prefill import LocalPrefill, OwnerLoad
-from cluster.request_router import LeastQueuedTokensRouter, PrefixAwareRouter
-from cluster.routing_policy import (BITS_PER_KEY, EMPTY, PrefixSummary, ReplicaState, cached_tokens, choose_prefill,
+from cluster.planning.autoscaling import RolePolicy, desired_replicas
+from cluster.serving.directory import Entry
+from cluster.routing.local_prefill import LocalPrefill, OwnerLoad
+from cluster.routing.request_router import LeastQueuedTokensRouter, PrefixAwareRouter
+from cluster.routing.policy import (BITS_PER_KEY, EMPTY, PrefixSummary, ReplicaState, cached_tokens, choose_prefill,
                                     prompt_block_keys, replica_cost, replica_state)
-from engine.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig, LLMEngine
 from llmapi.sampling_params import SamplingParams
 
 BS = 4
@@ -207,7 +207,7 @@ def test_a_sent_prompt_counts_as_cached_there_until_a_report_shows_it(monkeypatc
     chosen = _route(router, [a, b], _request(first, internal_id="f"))[0]
     router.on_request_completed(chosen, "f")
     clock = time.monotonic() + 10  # the reports lag (Serve's controller on a busy machine): both still empty
-    monkeypatch.setattr("cluster.request_router.time.monotonic", lambda: clock)
+    monkeypatch.setattr("cluster.routing.request_router.time.monotonic", lambda: clock)
     follow = first + _tokens(8, seed=24)
     assert _route(router, [a, b], _request(follow, internal_id="g"))[0] == chosen
     router.on_request_completed(chosen, "g")

@@ -15,9 +15,9 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import POSTPROC_NAMESPACE, build_from_config
+from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
-from cluster.directory import Directory
+from cluster.serving.directory import Directory
 from llmapi import LLM, SamplingParams
 
 APP, SCALE_APP, BURST_APP = "raypd-route", "raypd-scale", "raypd-burst"

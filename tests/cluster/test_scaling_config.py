@@ -9,7 +9,7 @@ from ray.serve.config import AutoscalingConfig
 
 from cluster.cli import main
 from cluster.config import load_config
-from cluster.request_router import router_config
+from cluster.routing.request_router import router_config
 
 def _write(tmp_path: pathlib.Path, tiny_llama: str, **sections) -> pathlib.Path:
     path = tmp_path / "deploy.yaml"
@@ -26,7 +26,7 @@ SLO = {"prefill": {"autoscaling": {"min_replicas": 1, "max_replicas": 3, "upscal
 def test_slo_targets_become_serves_custom_policy(tmp_path, tiny_llama):
     config = load_config(_write(tmp_path, tiny_llama, **SLO))
     options = config.prefill.deployment_options()["autoscaling_config"]
-    assert options["policy"] == {"policy_function": "cluster.autoscaling:RolePolicy",
+    assert options["policy"] == {"policy_function": "cluster.planning.autoscaling:RolePolicy",
                                  "policy_kwargs": {"targets": {"queued_prompt_tokens": 2048, "ttft_ms": 250}}}
     serve_config = AutoscalingConfig(**options)  # Serve accepts it and can load the policy
     assert serve_config.upscale_delay_s == 5 and not serve_config.policy.is_default_policy_function()
@@ -34,7 +34,7 @@ def test_slo_targets_become_serves_custom_policy(tmp_path, tiny_llama):
     assert policy.targets == {"queued_prompt_tokens": 2048.0, "ttft_ms": 250.0}
     plain = load_config(_write(tmp_path, tiny_llama, decode={"autoscaling": {"max_replicas": 2}}))
     assert "policy" not in plain.decode.deployment_options()["autoscaling_config"]  # Serve's ongoing requests
-    assert router_config("prefix_aware").request_router_class == "cluster.request_router.PrefixAwareRouter"
+    assert router_config("prefix_aware").request_router_class == "cluster.routing.request_router.PrefixAwareRouter"
 
 
 def test_validate_shows_the_targets_and_the_router(tmp_path, tiny_llama, capsys):

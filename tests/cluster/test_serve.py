@@ -16,9 +16,9 @@ from ray import serve
 
 import ray
 
-from cluster.app import POSTPROC_NAMESPACE, build_from_config
+from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
-from cluster.directory import Directory
+from cluster.serving.directory import Directory
 from llmapi import LLM, GuidedDecodingParams, SamplingParams
 
 KEY = "sk-raypd-test"

@@ -22,7 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray.util import state
 
-from engine.tiny import build_tiny_llava
+from engine.tools.tiny import build_tiny_llava
 from llmapi import LLM, SamplingParams
 from tests.cluster.procs import processes_in, wait_healthy
 

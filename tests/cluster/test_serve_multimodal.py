@@ -21,9 +21,9 @@ import yaml
 from PIL import Image
 from ray import serve
 
-from cluster.app import POSTPROC_NAMESPACE, build_from_config
+from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
-from cluster.directory import Directory
+from cluster.serving.directory import Directory
 from llmapi import LLM, SamplingParams
 from tests.engine.images import random_images
 

@@ -1,13 +1,13 @@
 """The owner's side of the token path, without Ray: outputs handed from the lane's thread to the owner's loop
-(cluster.lanes.ToLoop), results fed on their consumer's own loop, and the SSE pieces of one or several results."""
+(cluster.owner.lanes.ToLoop), results fed on their consumer's own loop, and the SSE pieces of one or several results."""
 
 import asyncio
 import threading
 
 import pytest
 
-from cluster.lanes import ToLoop
-from cluster.streaming import pieces
+from cluster.owner.lanes import ToLoop
+from cluster.edge.streaming import pieces
 from llmapi.outputs import CompletionDelta, ResultDelta
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams

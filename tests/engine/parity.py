@@ -44,7 +44,7 @@ class LlavaReference:
     def __init__(self, model_dir):
         from transformers import LlavaForConditionalGeneration
 
-        from engine.multimodal import MultimodalProcessor
+        from engine.multimodal.processing import MultimodalProcessor
 
         self.processor = MultimodalProcessor(model_dir)
         self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import update_block_hashes
-from engine.block_manager import BlockManager
-from engine.request import EngineRequest, Sequence
+from engine.kv.block_hash import update_block_hashes
+from engine.kv.block_manager import BlockManager
+from engine.core.request import EngineRequest, Sequence
 from llmapi import SamplingParams
 
 

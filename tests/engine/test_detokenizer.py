@@ -8,8 +8,8 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from engine import tiny
-from engine.detokenizer import CandidateText, IncrementalDetokenizer, StopStringMatcher, TokenTable, _OffsetStream
+from engine.tools import tiny
+from postproc.detokenizer import CandidateText, IncrementalDetokenizer, StopStringMatcher, TokenTable, _OffsetStream
 
 FFFD = "\ufffd"
 TEXTS = [

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine.kv_handle import KVHandle
+from engine.kv.kv_handle import KVHandle
 from llmapi import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
 from tests.pools import wait_pools_full
 
@@ -120,7 +120,7 @@ def _drive(engine, request_id: int, timeout: float = 30.0):
 
 
 def test_blocks_reused_during_the_read_are_detected_and_re_prefilled(tiny_llama, caplog):
-    from engine.engine import EngineConfig, LLMEngine, nixl_connector
+    from engine.core.engine import EngineConfig, LLMEngine, nixl_connector
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompt = list(range(20, 45))
@@ -172,8 +172,8 @@ def _held(engine) -> int:
 
 
 def test_forged_foreign_or_replayed_releases_free_nothing(tiny_llama):
-    from engine.engine import EngineConfig, LLMEngine, nixl_connector
-    from engine.kv_handle import release_message
+    from engine.core.engine import EngineConfig, LLMEngine, nixl_connector
+    from engine.kv.kv_handle import release_message
 
     config = EngineConfig(block_size=4)
     ctx, other = (LLMEngine(tiny_llama, config, nixl_connector(config)) for _ in range(2))
@@ -217,7 +217,7 @@ def _wait_for(condition, engine, timeout: float = 10.0) -> None:
 def test_more_imports_than_seats_wait_in_their_queue(tiny_llama):
     """Six hand-offs to a decode engine with two seats and a small pool: never more than two sequences admitted,
     imports that cannot get blocks wait (holding nothing), and every request gets the tokens it would colocated."""
-    from engine.engine import EngineConfig, LLMEngine, nixl_connector
+    from engine.core.engine import EngineConfig, LLMEngine, nixl_connector
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ctx_config, gen_config = EngineConfig(block_size=4), EngineConfig(block_size=4, max_num_seqs=2, num_blocks=20)

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from engine.encoder_cache import EncoderCache, EncoderCacheFull
-from engine.kv_handle import release_message
-from engine.kv_transfer import NixlTransport
+from engine.multimodal.encoder_cache import EncoderCache, EncoderCacheFull
+from engine.kv.kv_handle import release_message
+from engine.kv.kv_transfer import NixlTransport
 
 A, B, C = ((i,) * 8 for i in range(1, 4))
 

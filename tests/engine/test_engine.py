@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig, LLMEngine
 from llmapi import SamplingParams
 from tests.engine.parity import Reference, assert_same_tokens
 

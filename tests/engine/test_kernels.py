@@ -1,4 +1,4 @@
-"""The C++ CPU kernels and the packed linears against their torch reference path (engine/kernels.py TorchOps)."""
+"""The C++ CPU kernels and the packed linears against their torch reference path (engine/model/kernels.py TorchOps)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, SeqSlice
+from engine.model.attention import AttentionMetadata, SeqSlice
 from engine.config import this_cpu_flags
-from engine.kernels import REFERENCE, CpuKernelOps, cpu_kernels, select_ops
-from engine.kv_cache import KVCache, KVLayout
-from engine.model import CausalLM, Linear, can_pack
-from engine.tiny import build_tiny_model
+from engine.model.kernels import REFERENCE, CpuKernelOps, cpu_kernels, select_ops
+from engine.kv.kv_cache import KVCache, KVLayout
+from engine.model.causal_lm import CausalLM, Linear, can_pack
+from engine.tools.tiny import build_tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16]
 # fp32: only summation order differs. bf16: results are rounded where the reference rounds, so most elements are

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from engine.kv_cache import KVCache, KVLayout
-from engine.kv_transfer import (
+from engine.kv.kv_cache import KVCache, KVLayout
+from engine.kv.kv_transfer import (
     GENERATIONS,
     BlockDescs,
     NixlTransport,

@@ -14,11 +14,11 @@ import pytest
 import torch
 import transformers
 
-from engine.attention import AttentionMetadata, SeqSlice
-from engine.kv_cache import KVCache
-from engine.model import CausalLM
-from engine.multimodal import MultimodalPrompt, MultimodalProcessor, embeddings_in_span
-from engine.vision import VisionEncoder
+from engine.model.attention import AttentionMetadata, SeqSlice
+from engine.kv.kv_cache import KVCache
+from engine.model.causal_lm import CausalLM
+from engine.multimodal.processing import MultimodalPrompt, MultimodalProcessor, embeddings_in_span
+from engine.multimodal.vision import VisionEncoder
 from tests.engine.images import random_images
 from tests.engine.parity import assert_same_tokens
 

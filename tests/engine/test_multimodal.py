@@ -13,7 +13,7 @@ import torch
 import transformers
 from PIL import Image
 
-from engine.multimodal import (
+from engine.multimodal.processing import (
     HASH_WORDS,
     ImageLimits,
     MultimodalProcessor,

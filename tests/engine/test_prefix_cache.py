@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig, LLMEngine
 from llmapi import LLM, DisaggregatedParams, SamplingParams
 from tests.engine.test_engine import ARCH_VARIANTS, run
 from tests.pools import wait_pools_full

@@ -14,8 +14,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLi
                           RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.sampler import SampleRow, _row_generator
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.sampling.sampler import SampleRow, _row_generator
 from llmapi import GuidedDecodingParams, SamplingParams
 from llmapi.outputs import Resume, ResumedCandidate
 from tests.engine.parity import Reference, assert_same_tokens
@@ -207,8 +207,8 @@ def test_unseeded_rows_drawn_together_follow_each_rows_distribution(fused):
     """Unseeded rows without top-k/top-p/min-p are drawn together (inverse CDF), by torch ops or the fused C++
     kernel; each row keeps its own temperature, and a token without probability (masked by a logit bias or a
     grammar) is never drawn."""
-    from engine.kernels import cpu_kernels
-    from engine.sampler import Sampler
+    from engine.model.kernels import cpu_kernels
+    from engine.sampling.sampler import Sampler
 
     kernels = cpu_kernels() if fused else None
     if fused and kernels is None:

@@ -1,17 +1,17 @@
 """Scheduler without a model: budgets, preemption, prefix-cache admission and the waiting-for-KV queue.
 
-The KV connector here is a recording implementation of engine.kv_connector.KVConnector: these tests are about which
+The KV connector here is a recording implementation of engine.kv.kv_connector.KVConnector: these tests are about which
 queue a sequence is in, not about moving KV (tests/engine/test_disagg.py does that over real NIXL)."""
 
 from __future__ import annotations
 
-from engine.block_hash import update_block_hashes
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVLayout
-from engine.kv_connector import ConnectorEvents, ImportPlan, NullConnector
-from engine.kv_handle import KVHandle
-from engine.request import EngineRequest, MultimodalItem, Sequence, SeqStatus
-from engine.scheduler import Scheduler
+from engine.kv.block_hash import update_block_hashes
+from engine.kv.block_manager import BlockManager
+from engine.kv.kv_cache import KVLayout
+from engine.kv.kv_connector import ConnectorEvents, ImportPlan, NullConnector
+from engine.kv.kv_handle import KVHandle
+from engine.core.request import EngineRequest, MultimodalItem, Sequence, SeqStatus
+from engine.core.scheduler import Scheduler
 from llmapi import SamplingParams
 
 

@@ -11,8 +11,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.config import load_spec
-from engine.model import CausalLM
-from engine.vision import VisionEncoder, load_vision_spec
+from engine.model.causal_lm import CausalLM
+from engine.multimodal.vision import VisionEncoder, load_vision_spec
 
 # Each variant exercises one thing transformers does with the config: which hidden states, CLS or not, the projector.
 VARIANTS = {

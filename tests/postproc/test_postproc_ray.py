@@ -13,7 +13,7 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig, LLMEngine
 from llmapi import SamplingParams
 from postproc.actor import PostprocActor
 from postproc.routing import Lane, PostprocSender

@@ -14,7 +14,7 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig, LLMEngine
 from llmapi import LLM, RequestError, RequestOutput, SamplingParams
 from postproc.hooks import PostProcessorHook, Terminate
 from postproc.pipes import new_pipe_key, sign, tcp_address

@@ -1,0 +1,163 @@
+"""The encoder, prefill and decode roles as Serve replicas: the workers themselves, plus membership in the replica
+directory.
+
+A replica publishes its engine card and stats every directory.PERIOD_S. A decode replica meets every prefill replica
+it finds there before it serves (and each one Serve adds later, within a period), so an incompatible pair is refused
+when they meet, not at the first transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+from ray import serve
+
+from cluster.serving.directory import PERIOD_S, Directory
+from cluster.routing.policy import replica_state
+from decode.worker import DecodeWorker
+from encoder.worker import EncoderWorker
+from engine.multimodal.encoder import EncoderConfig
+from engine.core.engine import EngineConfig
+from engine.core.worker import EngineWorker
+from postproc.pipes import PipeAddr
+from prefill.worker import PrefillWorker
+
+log = logging.getLogger(__name__)
+
+
+_POSTPROC_CALL_S = 2.0
+
+
+def postproc_addrs(postprocs: list, timeout: float = 60.0) -> list[PipeAddr]:
+    """The postproc workers' current pull pipes (a restarted worker has a new one)."""
+    return ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=timeout)
+
+
+class Membership:
+    """A background thread that keeps `worker` in the directory under `role`, meeting the replicas of `meets`, and
+    follows the postproc workers to their new pipes when Ray restarts them."""
+
+    def __init__(self, worker: DecodeWorker | EncoderWorker, role: str, meets: str | None, postprocs: list):
+        self.worker, self.role, self.meets, self.postprocs = worker, role, meets, postprocs
+        replica = serve.get_replica_context().replica_id
+        self.directory = Directory(replica.deployment_id.app_name)  # the replicas of this Serve application
+        self.replica_id = replica.unique_id
+        self._met: dict[str, str | None] = {}  # peer engine name -> None (met) or why it was refused
+        self._counter = 0
+        # What tend() last found, published by beat(): replaced whole, never mutated, so the two threads share it
+        # safely (tend mutates _met; beat must not iterate it).
+        self._card, self._stats, self._routing, self._peers = worker.card(), {}, None, ()
+        self._stop = threading.Event()
+        self.tend()  # before serving: known peers met, this replica visible
+        self.beat()
+        # Two threads: the heartbeat never waits on the engine loop or a busy postproc worker, so a replica under
+        # load never looks dead to readers.
+        self._threads = [threading.Thread(target=self._every_period, args=(fn,), name=f"raypd-{role}-{fn.__name__}",
+                                          daemon=True) for fn in (self.beat, self.tend)]
+        for thread in self._threads:
+            thread.start()
+
+    def tend(self) -> None:
+        """The slow part: meet new peers, follow restarted postproc workers, read the engine's stats."""
+        if self.meets is not None:
+            self._meet_new()
+        self._follow_postprocs()
+        self._peers = tuple(name for name, why in self._met.items() if why is None)
+        met = len(self._peers)
+        self._stats = dict(self.worker.stats(), peers_met=met, peers_refused=len(self._met) - met)
+        if isinstance(self.worker, EngineWorker):  # an encoder holds no prefix cache to route by
+            self._routing = replica_state(self.role, *self.worker.cache_snapshot()).to_json()
+
+    def beat(self) -> None:
+        """Publish the entry (the counter moves; stats are the latest tend's)."""
+        self._counter += 1
+        self.directory.publish(self.role, self.replica_id, self._card, self._stats, self._counter, self._peers,
+                               self._routing)
+
+    def _meet_new(self) -> None:
+        for entry in self.directory.entries(self.meets):
+            if entry.card is None or entry.card.name in self._met:
+                continue
+            try:
+                self.worker.meet(entry.card)
+                self._met[entry.card.name] = None
+            except ValueError as exc:  # incompatible: refused now, named in the log, never read from
+                self._met[entry.card.name] = str(exc)
+                log.error("%s replica %s refuses %s replica %s: %s", self.role, self.replica_id, self.meets,
+                          entry.replica_id, exc)
+            except Exception as exc:  # unreachable for now: try again next period
+                log.warning("could not meet %s replica %s yet: %s", self.meets, entry.replica_id, exc)
+
+    def _follow_postprocs(self) -> None:
+        for i, actor in enumerate(self.postprocs):
+            try:
+                addr = tuple(ray.get(actor.pull_pipe_addr.remote(), timeout=_POSTPROC_CALL_S))
+            except Exception:  # down or restarting: its requests fail fast meanwhile (PostprocSender)
+                continue
+            if addr != tuple(self.worker._postproc_addrs[i]):
+                log.warning("%s replica %s: postproc worker %d is back at a new pipe", self.role, self.replica_id, i)
+                self.worker.reconnect_postproc(i, addr)
+
+    def _every_period(self, fn) -> None:
+        while not self._stop.wait(PERIOD_S):
+            try:
+                fn()
+            except Exception as exc:  # the directory or the engine is briefly unavailable: keep trying
+                log.warning("%s replica %s: directory %s failed: %s", self.role, self.replica_id, fn.__name__, exc)
+
+    def leave(self) -> None:
+        self._stop.set()
+        try:
+            self.directory.remove(self.role, self.replica_id)
+        except Exception:  # Ray may already be going down; the entry goes stale on its own
+            pass
+
+
+def routing_stats(worker: EngineWorker, role: str) -> dict:
+    """What the replica tells Serve's request routers (cluster/routing/request_router.py): its queued tokens, and its load
+    and prefix-cache summary (cluster/routing/policy.py)."""
+    keys, load = worker.cache_snapshot()
+    return {"queued_tokens": load["queued_tokens"], **replica_state(role, keys, load).to_stats()}
+
+
+class PrefillReplica(PrefillWorker):
+    def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
+        postprocs = list(postprocs or [])
+        super().__init__(model_dir, config, postproc_addrs(postprocs))
+        self._membership = Membership(self, "prefill", None, postprocs)
+
+    def record_routing_stats(self) -> dict:
+        return routing_stats(self, "prefill")
+
+    def __del__(self):
+        if hasattr(self, "_membership"):
+            self._membership.leave()
+
+
+class DecodeReplica(DecodeWorker):
+    def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
+        postprocs = list(postprocs or [])
+        super().__init__(model_dir, config, postproc_addrs(postprocs))
+        self._membership = Membership(self, "decode", "prefill", postprocs)
+        self.replica_name = self._membership.replica_id  # named in Accepted: direct starts find this replica by it
+
+    def record_routing_stats(self) -> dict:
+        return routing_stats(self, "decode")
+
+    def __del__(self):
+        if hasattr(self, "_membership"):
+            self._membership.leave()
+
+
+class EncoderReplica(EncoderWorker):
+    """Listed in the directory for its stats only: prefill workers reach its arena through the handles it makes."""
+
+    def __init__(self, model_dir: str, config: EncoderConfig):
+        super().__init__(model_dir, config)
+        self._membership = Membership(self, "encoder", None, [])
+
+    def __del__(self):
+        if hasattr(self, "_membership"):
+            self._membership.leave()

@@ -1,0 +1,232 @@
+"""LLMEngine: one engine for every role. Its step reads like vLLM v1's: poll the KV connector, schedule, run the
+model, update from the output. Requests are validated here and then live in the scheduler's queues."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv.block_manager import BlockManager
+from engine.model.executor import ModelExecutor
+from engine.sampling.grammar import Grammars
+from engine.model.kernels import cpu_kernels
+from engine.kv.kv_cache import KVCache, KVLayout
+from engine.kv.kv_connector import EngineCard, KVConnector, NullConnector
+from engine.model.causal_lm import CausalLM
+from engine.core.output_processor import OutputProcessor
+from engine.core.request import REQUEST_KINDS, EngineRequest, FirstToken, MultimodalItem
+from engine.model.runner import ModelRunner
+from engine.sampling.sampler import Sampler
+from engine.core.scheduler import Scheduler
+from engine.core.validation import check_images, check_request
+from llmapi.disaggregated_params import DisaggregatedParams
+from llmapi.outputs import EngineResponse, Resume
+from llmapi.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 512 << 20
+    max_num_batched_tokens: int = 2048  # per-step token budget; prompts longer than this are prefilled in chunks
+    max_num_seqs: int = 64
+    dtype: str | None = None  # None: the checkpoint's dtype; "auto": engine.config.auto_dtype's choice
+    device: str = "cpu"
+    num_threads: int | None = None
+    seed: int = 0  # for requests without a seed
+    enable_prefix_caching: bool = True  # full blocks of earlier prompts are reused, not recomputed
+    kv_lease_s: float = 30.0  # how long a prefill engine holds a context-only request's blocks for the decode side
+    kv_transfer_timeout_s: float = 10.0  # a decode engine's budget to read one request's prompt KV
+    cluster_key: bytes | None = None  # signs KV handles; engines that exchange handles across processes share it
+
+    def pool_blocks(self, layout: KVLayout) -> int:
+        """How many KV blocks of this layout the pool holds: num_blocks, or as many as kv_cache_bytes holds."""
+        return self.num_blocks or max(1, self.kv_cache_bytes // layout.block_bytes)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "kv_lease_s",
+                     "kv_transfer_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def nixl_connector(config: EngineConfig) -> KVConnector:
+    """The KV connector of engines that exchange KV (prefill and decode roles); imports nixl."""
+    from engine.kv.nixl_connector import NixlConnector
+
+    return NixlConnector(config.kv_lease_s, config.kv_transfer_timeout_s, config.cluster_key)
+
+
+class LLMEngine:
+    """connector: how this engine exchanges KV with others; None: NullConnector (colocated, no nixl)."""
+
+    def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), connector: KVConnector | None = None):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model = CausalLM.from_pretrained(model_dir, dtype=config.dtype, device=config.device)
+        self.spec = self.model.spec
+        layout = self.model.kv_layout(config.block_size)
+        num_blocks = config.pool_blocks(layout)
+        self.kv_cache = KVCache(layout, num_blocks, config.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.connector = connector or NullConnector()
+        self.connector.register_kv_cache(self.kv_cache, self.block_manager.generations, self.spec.fingerprint)
+        self.scheduler = Scheduler(self.block_manager, self.connector, config.max_num_batched_tokens,
+                                   config.max_num_seqs)
+        # Logits reach the sampler on the CPU whatever the model's device: the fused sampling kernel serves both.
+        self.executor = ModelExecutor(ModelRunner(self.model, self.kv_cache), Sampler(config.seed, cpu_kernels()))
+        self.requests: dict[int, EngineRequest] = {}
+        self.output = OutputProcessor(self.spec, self.scheduler, self.kv_cache, self.connector, self.requests,
+                                      Grammars(model_dir, self.spec.vocab_size))
+
+    # ---- the loop ----
+    def step(self) -> list[EngineResponse]:
+        self._poll_kv_connector()
+        out = self.scheduler.schedule()
+        model_out = self.executor.execute(out)
+        return self.output.update(out, model_out)
+
+    def _poll_kv_connector(self) -> None:
+        """Reads that ended start their candidates from the prefill side's first tokens; ended leases are freed;
+        a request whose read failed and that cannot recompute its prompt here ends with the reason."""
+        started, failed = self.scheduler.update_from_connector(self.connector.poll())
+        self.output.start_generation(started)
+        for seq, why in failed:
+            self.output.fail(seq.request, why)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self.output.has_pending
+
+    def has_kv_reads(self) -> bool:
+        """Whether reads of other engines' KV are in flight (their end starts decoding)."""
+        return bool(self.scheduler.waiting_for_kv)
+
+    def has_runnable(self) -> bool:
+        """Whether a step would compute something now (not only wait on KV reads or leases)."""
+        return bool(self.scheduler.waiting or self.scheduler.running) or self.output.has_pending
+
+    # ---- requests in and out ----
+    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                    disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True,
+                    mm_items: tuple[MultimodalItem, ...] = (), mm_embeddings: tuple[torch.Tensor, ...] = (),
+                    resume: Resume | None = None) -> None:
+        """Queues a request; raises ValueError naming what is wrong with it.
+
+        mm_items / mm_embeddings: each image's place in the prompt and its (length, hidden) embeddings, spliced at
+        those positions. context_only: prefill, sample the first token of each candidate, then end with a Handoff
+        (the prompt's blocks held under a lease; the KV handle carries the items, never the embeddings).
+        generation_only: read those blocks and decode, keyed by the handle's items; the first tokens are emitted
+        again unless echo_first_tokens is False (an owner that already streamed them). resume: continue the given
+        candidates from their tokens so far (computed here again; only new tokens are emitted).
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id} is already in use")
+        check_request(prompt_token_ids, params, self.spec, self.block_manager, self.config.max_num_seqs)
+        kind = disaggregated_params.request_type if disaggregated_params else REQUEST_KINDS[0]
+        req = EngineRequest(request_id, list(prompt_token_ids), params, kind, cache_salt=params.cache_salt,
+                            mm_items=tuple(mm_items), mm_embeddings=tuple(mm_embeddings),
+                            echo_first_tokens=echo_first_tokens)
+        if kind == "generation_only":
+            self._attach_kv_source(req, disaggregated_params)
+        else:
+            check_images(req, self.spec.hidden_size)
+        if kind == "context_only":
+            self.connector.card()  # fails now, not after the prefill, if this engine cannot hand KV over
+        if resume is not None:
+            self._resume(req, resume)
+            return
+        seq = self.output.new_seq(req, 0, list(prompt_token_ids))  # compiles the request's grammar, if any
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+
+    def _resume(self, req: EngineRequest, resume: Resume) -> None:
+        params = req.sampling_params
+        if req.kind != REQUEST_KINDS[0]:
+            raise ValueError(f"a resumed request is served whole, not {req.kind}")
+        for c in resume.candidates:
+            if not 0 <= c.index < params.num_candidates or len(c.token_ids) >= params.max_tokens:
+                raise ValueError(f"resumed candidate {c.index}: index out of range [0, {params.num_candidates}) "
+                                 f"or {len(c.token_ids)} tokens already (max_tokens {params.max_tokens})")
+            if any(not 0 <= t < self.spec.vocab_size for t in c.token_ids):
+                raise ValueError(f"resumed candidate {c.index}: token ids out of range [0, {self.spec.vocab_size})")
+        req.forked = True
+        seqs = [self.output.new_seq(req, c.index, req.prompt_token_ids + list(c.token_ids)) for c in resume.candidates]
+        self.requests[req.request_id] = req
+        for seq, c in zip(seqs, resume.candidates):
+            seq.cumulative_logprob = c.cumulative_logprob
+            self.scheduler.add(seq)
+
+    def _attach_kv_source(self, req: EngineRequest, params: DisaggregatedParams) -> None:
+        params.validate()
+        handle = self.connector.open_handle(params.opaque_state)
+        if handle.num_tokens != req.num_prompt_tokens:
+            raise ValueError(f"the KV handle holds {handle.num_tokens} prompt tokens, the prompt has "
+                             f"{req.num_prompt_tokens}")
+        count = req.sampling_params.num_candidates
+        if len(params.first_gen_tokens) != count:
+            raise ValueError(f"first_gen_tokens has {len(params.first_gen_tokens)} tokens for {count} candidates")
+        items = tuple(MultimodalItem(tuple(h), offset, length) for h, offset, length in handle.mm_items)
+        if req.mm_items and req.mm_items != items:
+            raise ValueError("mm_items differ from the images the KV handle was computed with")
+        req.mm_items = items  # the prompt's images key this engine's prefix cache as they keyed the prefill side's
+        logprobs = handle.first_logprobs or (0.0,) * count
+        tops = handle.first_top_logprobs or ((),) * count
+        req.kv_source = handle
+        req.first_tokens = tuple(FirstToken(t, lp, top) for t, lp, top in zip(params.first_gen_tokens, logprobs, tops))
+
+    def abort_request(self, request_id: int) -> None:
+        """Stops every candidate of the request and frees its blocks, wherever it is (queued, prefilling, reading
+        KV, decoding, or held under a KV lease); it ends with finish_reason 'cancelled'."""
+        if self.connector.end_lease(request_id):
+            self.scheduler.free_held(request_id)
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.output.abort(req)
+
+    def stop_candidate(self, request_id: int, index: int) -> None:
+        """Stops one candidate (a post-processor matched a stop string); the request ends when all have."""
+        req = self.requests.get(request_id)
+        seq = next((s for s in req.seqs if s.index == index), None) if req else None
+        if seq is not None and not seq.finished:
+            self.output.stop(req, seq)
+
+    # ---- disaggregation ----
+    def card(self) -> EngineCard:
+        return self.connector.card()
+
+    def meet(self, card: EngineCard) -> None:
+        """First contact with a peer engine: refuses an incompatible one, naming every mismatch, then connects."""
+        self.connector.meet(card)
+
+    def release_kv(self, params: DisaggregatedParams) -> None:
+        """Tells the prefill engine named by a KV handle that its blocks will not be read (the request ended before
+        decoding): it frees them now instead of when the lease ends. Refuses a handle whose signature fails."""
+        self.connector.release_unread(self.connector.open_handle(params.opaque_state))
+
+    def close(self) -> None:
+        self.connector.close()
+
+    # ---- what the engine reports ----
+    def queued_tokens(self) -> int:
+        """Work this engine has accepted and not done: tokens to compute plus tokens still to generate."""
+        total = 0
+        for req in self.requests.values():
+            left = req.sampling_params.max_tokens
+            for seq in req.seqs:
+                if not seq.finished:
+                    total += seq.num_tokens - seq.num_computed_tokens + max(0, left - seq.num_output_tokens)
+        return total
+
+    def stats(self) -> dict[str, float]:
+        """KV pool occupancy, prefix-cache counters, leases and transfers, for metrics."""
+        bm, kv, cache = self.block_manager, self.connector.stats(), self.scheduler.cache_stats
+        return {"kv_blocks_in_use": bm.num_blocks - bm.num_free_blocks, "kv_blocks_total": bm.num_blocks,
+                "kv_blocks_cached": bm.num_cached_blocks, "kv_leases": kv.leases, "kv_bytes_read": kv.kv_bytes_read,
+                "kv_releases_rejected": kv.releases_rejected, "kv_releases_unknown": kv.releases_unknown,
+                "prefix_cache_query_tokens": cache.query_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
+                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_waiting_for_kv": len(self.scheduler.waiting_for_kv), "num_preemptions": self.scheduler.num_preemptions,
+                "num_reprefills": self.scheduler.num_reprefills, **kv.extra}

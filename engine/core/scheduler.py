@@ -1,0 +1,232 @@
+"""FCFS scheduler with a per-step token budget: chunked prefill, continuous batching, preemption by recompute, prefix
+caching, and the waiting-for-KV queue of disaggregated decoding.
+
+Every sequence is in exactly one queue (DESIGN.md, "Engine"): waiting, waiting for KV (a remote read of its prompt is
+in flight; it holds its blocks and counts against max_num_seqs), running, or finished (`held` keeps the blocks of a
+finished context-only request while a KV lease lasts). Admission is the same for all: a prefix-cache lookup, then
+blocks; a generation-only request's admission starts its import instead of a prefill. Preemption takes any admitted
+sequence back to waiting, imports included (the read is cancelled).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv.block_hash import image_safe_prefix, update_block_hashes
+from engine.kv.block_manager import BlockManager
+from engine.kv.kv_connector import ConnectorEvents, ImportPlan, KVConnector
+from engine.core.request import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step: (sequence, number of new tokens to compute), in flat-batch order."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+@dataclass
+class CacheStats:
+    query_tokens: int = 0  # prompt tokens looked up at admission
+    hit_tokens: int = 0  # of those, found in the cache
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, connector: KVConnector, max_num_batched_tokens: int,
+                 max_num_seqs: int):
+        self.block_manager = block_manager
+        self.connector = connector
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.waiting_for_kv: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.held: dict[int, Sequence] = {}  # request id -> finished context-only sequence under a KV lease
+        self.num_preemptions = 0
+        self.num_reprefills = 0  # imports that failed, so the prompt was computed here
+        self.cache_stats = CacheStats()
+
+    # ---- moving sequences ----
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Adds a sequence that already holds its blocks (a forked candidate)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Takes seq out of every queue and frees its blocks. Idempotent."""
+        self._dequeue(seq)
+        self.block_manager.free(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def hold(self, seq: Sequence) -> None:
+        """Finishes seq but keeps its blocks: a KV lease lets another engine read them until free_held()."""
+        self._dequeue(seq)
+        seq.status = SeqStatus.FINISHED
+        self.held[seq.request.request_id] = seq
+
+    def free_held(self, request_id: int) -> None:
+        """Frees the blocks of a held request (its lease ended). Idempotent."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+
+    def _dequeue(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.WAITING_FOR_KV:
+            self.connector.cancel_import(seq)
+            self.waiting_for_kv.remove(seq)
+
+    # ---- the KV plane ----
+    def update_from_connector(self, events: ConnectorEvents) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
+        """Applies reads that ended and leases that ended. Returns the sequences whose import ended (KV in place:
+        running; failed: back to waiting to prefill here), whose candidates now start from their first tokens, and
+        (sequence, why) for failed imports that cannot be prefilled here (images without their embeddings): those
+        are finished, their blocks freed."""
+        for request_id in events.leases_ended:
+            self.free_held(request_id)
+        ended, failed = [], []
+        for seq, problem in events.imports_done:
+            if seq.status is not SeqStatus.WAITING_FOR_KV:
+                continue  # preempted or finished meanwhile
+            self.waiting_for_kv.remove(seq)
+            if problem is None:
+                seq.num_computed_tokens = seq.num_tokens
+                self.block_manager.register(seq, seq.num_computed_tokens)
+                self.add_running(seq)
+            elif not seq.request.can_recompute:
+                self.block_manager.free(seq)
+                seq.status = SeqStatus.FINISHED
+                failed.append((seq, f"reading the prompt KV failed ({problem}) and the prompt has images whose "
+                                    "embeddings only the prefill side had: it cannot be prefilled here"))
+                continue
+            else:
+                log.warning("request %d re-prefills locally: %s", seq.request.request_id, problem)
+                self.num_reprefills += 1
+                self.block_manager.free(seq)
+                seq.request.kv_source = None
+                self.add(seq, front=True)
+            ended.append(seq)
+        return ended, failed
+
+    # ---- one step ----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def on_computed(self, out: SchedulerOutput) -> None:
+        """The step ran: advances each scheduled sequence's progress and caches its blocks that became full."""
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            if self.block_manager.enable_prefix_caching:
+                update_block_hashes(seq, self.block_manager.block_size)
+                self.block_manager.register(seq, seq.num_computed_tokens)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self._make_room(seq, n, out):
+                break  # seq itself was preempted; everything after it already was
+            self.block_manager.allocate(seq, n)
+            out.scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Preempts the newest admitted sequences (imports first) until seq's blocks fit; False if seq itself
+        had to go."""
+        while not self.block_manager.can_allocate(seq, n):
+            victim = self.waiting_for_kv[-1] if self.waiting_for_kv else self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        # Recompute: drop the KV, keep the tokens; the sequence prefills prompt + outputs again later (its full
+        # blocks stay in the prefix cache until evicted, so it may well find them again). An import is re-read.
+        self._dequeue(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        self.add(seq, front=True)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        slots = sum(s.num_slots for s in self.running) + sum(s.num_slots for s in self.waiting_for_kv)
+        while self.waiting and slots + self.waiting[0].num_slots <= self.max_num_seqs:
+            seq = self.waiting[0]
+            importing = seq.request.kv_source is not None
+            if not importing and budget <= 0:
+                break
+            cached = self._cached_prefix(seq, importing)
+            n = seq.num_tokens - len(cached) * self.block_manager.block_size
+            n = n if importing else min(n, budget)
+            if not self.block_manager.can_admit(seq, cached, n):
+                break
+            self.waiting.popleft()
+            self._admit(seq, cached, n)
+            slots += seq.num_slots
+            if importing:
+                self._start_import(seq, len(cached))
+            else:
+                self.add_running(seq)
+                out.scheduled.append((seq, n))
+                budget -= n
+
+    def _cached_prefix(self, seq: Sequence, importing: bool) -> list[int]:
+        """The blocks of seq's longest cached prefix it may use. A computing sequence leaves its last token to
+        compute (its logits are needed); a hit never ends inside an image; prompt logits need every position
+        computed, so such requests take no hit."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or seq.request.wants_prompt_logits:
+            return []
+        usable = seq.num_tokens if importing else seq.num_tokens - 1
+        usable = image_safe_prefix(seq.request, usable) // bm.block_size
+        return bm.lookup(update_block_hashes(seq, bm.block_size)[:usable])
+
+    def _admit(self, seq: Sequence, cached: list[int], n: int) -> None:
+        bm = self.block_manager
+        bm.admit(seq, cached)
+        seq.num_computed_tokens = len(cached) * bm.block_size
+        bm.allocate(seq, n)
+        req = seq.request
+        if bm.enable_prefix_caching and not req.wants_prompt_logits:
+            self.cache_stats.query_tokens += seq.num_tokens
+            self.cache_stats.hit_tokens += seq.num_computed_tokens
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = min(seq.num_computed_tokens, req.num_prompt_tokens)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+
+    def _start_import(self, seq: Sequence, num_cached_blocks: int) -> None:
+        handle = seq.request.kv_source
+        seq.status = SeqStatus.WAITING_FOR_KV
+        self.waiting_for_kv.append(seq)
+        local = tuple(seq.block_table[num_cached_blocks:])
+        self.connector.start_import(ImportPlan(seq, handle, local, tuple(handle.block_ids[num_cached_blocks:])))

@@ -1,0 +1,125 @@
+"""The KV handle (`opaque_state`): what a decode engine needs to read a prompt's blocks from a prefill engine.
+
+It is signed by the engine that made it (HMAC-SHA256 with the cluster key) and serialized as JSON, never pickle, so a
+forged or altered handle is refused before anything in it is used.
+
+The release message a reader sends when it has the blocks (or will never read them) names the lease by its random
+id and is signed under the same key: a forged or foreign one fails the check, and a replayed one names a lease that
+no longer exists. Either way it frees nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+from dataclasses import dataclass
+
+from engine.kv.kv_cache import KVLayout
+
+# Engines in one process that were given no cluster key share this one; across processes a key must be configured.
+PROCESS_KEY = os.urandom(32)
+_CONTEXT = b"raypd.kv_handle.v1"
+_RELEASE_CONTEXT = b"raypd.kv_release.v1"
+RELEASE_PREFIX = b"raypd.release.v2:"
+
+
+class InvalidHandle(ValueError):
+    """The handle was not made by an engine of this cluster, or was altered."""
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    ctx_request_id: int
+    agent: str  # the prefill engine's transport name
+    transport_info: bytes  # what a peer needs to connect to that transport
+    block_ids: tuple[int, ...]
+    generations: tuple[int, ...]  # each block's allocation count when the lease began; a changed one was reused
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    layout: KVLayout
+    fingerprint: str  # model fingerprint of the prefill engine
+    lease_deadline: float  # wall clock (time.time()) of the prefill side; checked, but never trusted alone
+    lease_id: str = ""  # random, per lease: what a release message names
+    first_logprobs: tuple[float, ...] = ()  # per candidate: the first token's logprob
+    first_top_logprobs: tuple[tuple[tuple[int, float, int], ...], ...] = ()  # per candidate: (token, logprob, rank)
+    # The prompt's images as (content hash, offset, length): the decode side keys its prefix cache with them, so
+    # text-identical prompts with other images never share blocks there either. Never their embeddings.
+    mm_items: tuple[tuple[tuple[int, ...], int, int], ...] = ()
+
+    def sign(self, key: bytes | None) -> bytes:
+        body = dataclasses.asdict(self)
+        body["transport_info"] = base64.b64encode(self.transport_info).decode()
+        return sign_json(body, key, _CONTEXT)
+
+    @classmethod
+    def open(cls, blob: bytes, key: bytes | None) -> "KVHandle":
+        """Verifies the signature, then parses. Raises InvalidHandle."""
+        body = open_json(blob, key, _CONTEXT, "opaque_state", "KV handle")
+        body["transport_info"] = base64.b64decode(body["transport_info"])
+        body["layout"] = KVLayout(**body["layout"])
+        body["block_ids"], body["generations"] = tuple(body["block_ids"]), tuple(body["generations"])
+        body["first_logprobs"] = tuple(body["first_logprobs"])
+        body["first_top_logprobs"] = tuple(tuple(tuple(t) for t in top) for top in body["first_top_logprobs"])
+        body["mm_items"] = tuple((tuple(h), offset, length) for h, offset, length in body.get("mm_items", ()))
+        return cls(**body)
+
+
+def sign_json(body: dict, key: bytes | None, context: bytes) -> bytes:
+    """MAC (32 bytes, under key and a per-kind context) + the body as canonical JSON."""
+    payload = json.dumps(body, sort_keys=True).encode()
+    return _mac(key, payload, context) + payload
+
+
+def open_json(blob: bytes, key: bytes | None, context: bytes, field: str, kind: str) -> dict:
+    """The body of what sign_json made with the same key and context; InvalidHandle naming `field` otherwise."""
+    if not isinstance(blob, (bytes, bytearray)) or len(blob) < 32:
+        raise InvalidHandle(f"{field} is not a {kind}")
+    mac, payload = bytes(blob[:32]), bytes(blob[32:])
+    if not hmac.compare_digest(mac, _mac(key, payload, context)):
+        raise InvalidHandle(f"{field} signature check failed: the handle was altered or made by an engine "
+                            "with another cluster key")
+    try:
+        body = json.loads(payload)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise InvalidHandle(f"{field} is not a {kind}")
+    return body
+
+
+def _mac(key: bytes | None, payload: bytes, context: bytes = _CONTEXT) -> bytes:
+    derived = hmac.new(key or PROCESS_KEY, context, hashlib.sha256).digest()
+    return hmac.new(derived, payload, hashlib.sha256).digest()
+
+
+def release_message(lease_id: str, key: bytes | None) -> bytes:
+    """What the reader of a lease's blocks sends its owner to free them."""
+    body = lease_id.encode()
+    return RELEASE_PREFIX + body + b":" + _mac(key, body, _RELEASE_CONTEXT).hex().encode()
+
+
+def open_release(message: bytes, key: bytes | None) -> str | None:
+    """The lease a release message names, or None if it is not a release or its signature fails."""
+    if not message.startswith(RELEASE_PREFIX):
+        return None
+    body, _, mac = message[len(RELEASE_PREFIX):].rpartition(b":")
+    try:
+        ok = hmac.compare_digest(bytes.fromhex(mac.decode()), _mac(key, body, _RELEASE_CONTEXT))
+    except ValueError:
+        return None
+    return body.decode() if ok else None
+
+
+def compatibility_problems(mine: KVLayout, my_fingerprint: str, theirs: KVLayout, their_fingerprint: str) -> list[str]:
+    """Every difference that makes two engines' KV blocks incompatible, named."""
+    problems = [
+        f"{f.name}: {getattr(theirs, f.name)} (peer) vs {getattr(mine, f.name)} (here)"
+        for f in dataclasses.fields(KVLayout)
+        if getattr(theirs, f.name) != getattr(mine, f.name)
+    ]
+    if their_fingerprint != my_fingerprint:
+        problems.insert(0, f"model fingerprint: {their_fingerprint[:12]} (peer) vs {my_fingerprint[:12]} (here)")
+    return problems

@@ -1,0 +1,237 @@
+"""The decoder-only transformer of the Llama family (Llama, Qwen2, Qwen3, Mistral) over a flat batch and a paged cache.
+
+Every op follows transformers' modeling files in order and dtype (see PARITY.md), so greedy tokens match theirs.
+q/k/v and gate/up projections are fused into one matmul each: fewer kernel launches, the same dot products. The
+elementwise ops and attention run through `ops` (engine/model/kernels.py): C++ CPU kernels, or their torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attention import AttentionMetadata
+from engine.config import ModelSpec, load_spec, run_dtype
+from engine.model.kernels import REFERENCE, TorchOps, apply_rope, select_ops, split_heads
+from engine.kv.kv_cache import KVCache, KVLayout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can swap its weight for oneDNN's blocked copy of it (pack): on a CPU that runs the dtype in
+    oneDNN, the packed matmul reads the weight ~1.4x faster at decode batch sizes (where a step is bound by reading
+    the weights) and no slower for prefill; outputs match F.linear to the last bits or within summation order."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed: torch.Tensor | None = None
+        self.packed_bias: torch.Tensor | None = None  # the bias in the packed matmul's dtype
+        self.narrow: torch.dtype | None = None  # widen(): the dtype inputs and outputs keep; math in float32
+
+    def pack(self, free_weight: bool) -> None:
+        """free_weight: drop the plain weight (kept when another module shares it, as a tied lm_head does)."""
+        self._pack(self.weight.detach(), self.bias, free_weight)
+
+    def widen(self, free_weight: bool) -> None:
+        """For a bf16 or fp16 model on a CPU that has no matmul of its own for the dtype (torch then runs a generic
+        loop, 4-7x slower on an AVX2 CPU): the weight is kept as float32, packed for oneDNN, and the matmul runs in
+        float32 on the inputs widened exactly. Products of two bf16 (fp16) values are exact in float32 and sums are
+        float32, as in a native bf16 matmul; the output is rounded to the dtype. Twice the weights' memory."""
+        self.narrow = self.weight.dtype
+        self._pack(self.weight.detach().float(), None if self.bias is None else self.bias.detach().float(),
+                   free_weight)
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None, free_weight: bool) -> None:
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        self.packed_bias = bias
+        if free_weight:
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, in_features) -> (T, out_features)."""
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        pad = -rows % _ROW_BUCKET if rows > _EXACT_ROWS else 0
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))  # (T rounded up to the bucket, in_features), zero rows
+        if self.narrow is not None:
+            x = x.float()
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")[:rows]
+        return out if self.narrow is None else out.to(self.narrow)
+
+
+# oneDNN picks its blocked layout for this many rows; measured on the bench shapes, 16 serves decode steps best and
+# costs nothing for prefill chunks of 1024.
+_PACK_BATCH_HINT = 16
+# oneDNN builds (JIT-compiles) a primitive for each input shape and caches it. Prompts of every length would build
+# new ones nearly every prefill: ~345-token prompts of varying length took 18.5 ms a step against 10.5 ms for one
+# length (bf16, 1 thread). Row counts above _EXACT_ROWS (decode batches stay exact) are padded to a multiple of
+# _ROW_BUCKET (at most 31 rows of zeros), so a few shapes serve every prompt.
+_EXACT_ROWS = 64
+_ROW_BUCKET = 32
+
+
+def can_pack(dtype: torch.dtype, device) -> bool:
+    """Whether this CPU runs dtype's matmuls in oneDNN (bf16 needs AVX-512 BF16 or AMX; fp16 AVX-512 FP16)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return dtype == torch.float32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: TorchOps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, norm(x + residual)); x may be overwritten with the sum."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, ops: TorchOps):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.attention_bias)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        # Qwen3 norms each head of q and k before RoPE.
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
+        self.window = spec.sliding_windows[layer_idx]
+        self.scale = spec.head_dim**-0.5
+        self.ops = ops
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # (T, (heads + 2 kv_heads) * head_dim)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            q, k, v = self.ops.rope(qkv, cos, sin, *heads)  # (T, heads | kv_heads | kv_heads, head_dim)
+        else:
+            q, k, v = split_heads(qkv, *heads)
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        out = self.ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # (T, heads, hd)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, ops: TorchOps):
+        super().__init__()
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, ops: TorchOps):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.self_attn = Attention(spec, layer_idx, ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.mlp = MLP(spec, ops)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        x, h = self.post_attention_layernorm.add_norm(x, attn)  # x + attn, and its norm
+        return x + self.mlp(h)
+
+
+class CausalLM(nn.Module):
+    """Construct with from_pretrained; the caller runs forward under torch.inference_mode.
+
+    ops: how the fused ops run: the C++ CPU kernels where they build, else (and on other devices) torch."""
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps = REFERENCE):
+        super().__init__()
+        self.spec = spec
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, ops) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    @classmethod
+    def from_pretrained(cls, model_dir, dtype: str | None = None, device="cpu", ops: TorchOps | None = None,
+                        pack: bool = True) -> CausalLM:
+        """ops: None picks the fastest that runs here (select_ops); pack: repack linear weights for oneDNN where
+        this CPU runs the dtype there (Linear.pack)."""
+        from engine.model.loader import load_weights  # the loader names this module's parameters
+
+        spec = load_spec(model_dir)
+        dtype = run_dtype(dtype, spec.checkpoint_dtype, device)
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+        ops = ops or select_ops(DTYPES[dtype], device)
+        with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
+            model = cls(spec, ops)
+        model = model.to(DTYPES[dtype]).to_empty(device=device)
+        if spec.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model._init_rope(device)
+        load_weights(model, model_dir)
+        if pack and can_pack(model.dtype, device):
+            model._pack_linears(Linear.pack)
+        elif pack and model.dtype != torch.float32 and can_pack(torch.float32, device):
+            model._pack_linears(Linear.widen)
+        return model.eval()
+
+    def _pack_linears(self, how) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                # A tied lm_head's weight is the embedding table, which token lookups still need.
+                how(module, free_weight=module.weight is not self.embed_tokens.weight)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def _init_rope(self, device) -> None:
+        # One table for every position: a step then only indexes it. fp32 math, exactly as transformers, then cast.
+        inv_freq = torch.tensor(self.spec.rope_inv_freq, dtype=torch.float32, device=device)  # (head_dim // 2,)
+        positions = torch.arange(self.spec.max_position_embeddings, device=device).float()  # (P,)
+        freqs = positions[:, None] * inv_freq  # (P, head_dim // 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, head_dim)
+        scaling = self.spec.rope_attention_scaling
+        self.register_buffer("rope_cos", (emb.cos() * scaling).to(self.dtype), persistent=False)  # (P, head_dim)
+        self.register_buffer("rope_sin", (emb.sin() * scaling).to(self.dtype), persistent=False)  # (P, head_dim)
+
+    def kv_layout(self, block_size: int) -> KVLayout:
+        s = self.spec
+        return KVLayout(s.num_layers, s.num_kv_heads, s.head_dim, block_size, str(self.dtype).removeprefix("torch."))
+
+    def forward(
+        self, input_ids, positions, meta: AttentionMetadata, kv_cache: KVCache, row_embeds=None
+    ) -> torch.Tensor:
+        """input_ids, positions (T,) -> final-normed hidden states (T, hidden). positions < max_position_embeddings.
+
+        row_embeds: optional (rows (R,) long, embeddings (R, hidden)) replacing the token embeddings of those flat-batch
+        rows: image embeddings at their placeholders (engine/multimodal/processing.py's embeddings_in_span)."""
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        if row_embeds is not None:
+            rows, embeds = row_embeds
+            x[rows] = embeds.to(x.dtype)  # transformers casts the image features to the embeddings' dtype too
+        cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
+        sin = self.rope_sin[positions].unsqueeze(1)  # (T, 1, head_dim)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, *kv_cache.layer(i))
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (R, hidden) -> logits (R, vocab) float32."""
+        return self.lm_head(hidden).float()
