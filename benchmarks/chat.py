@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 import torch  # noqa: E402
 
 from engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.tools.tiny import build_tiny_model  # noqa: E402
+from raypd.tools.tiny import build_tiny_model  # noqa: E402
 from llmapi.sampling_params import SamplingParams  # noqa: E402
 
 DEFAULT_MODEL_DIR = pathlib.Path("models/tiny-llama-bench")

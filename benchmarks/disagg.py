@@ -129,7 +129,7 @@ def main(argv=None) -> None:
 
 
 def _bench_model() -> str:
-    from engine.tools.tiny import build_tiny_model
+    from raypd.tools.tiny import build_tiny_model
 
     path = pathlib.Path("models/tiny-llama-bench-16k")
     if not (path / "config.json").exists():

@@ -128,7 +128,7 @@ def main(argv=None) -> None:
 
 
 def _build(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    from engine.tools.tiny import build_tiny_llava
+    from raypd.tools.tiny import build_tiny_llava
 
     return {name: build_tiny_llava(root / f"m{i}", **kwargs) for i, (name, kwargs) in enumerate(MODELS.items())}
 

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from engine.config import load_spec  # noqa: E402
 from engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.tools.tiny import build_tiny_model, num_parameters  # noqa: E402
+from raypd.tools.tiny import build_tiny_model, num_parameters  # noqa: E402
 from llmapi.sampling_params import SamplingParams  # noqa: E402
 
 DEFAULT_MODEL_DIR = pathlib.Path("models/tiny-llama-bench")

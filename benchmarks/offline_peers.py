@@ -37,7 +37,7 @@ class Checkpoint:
 
     def ensure(self) -> str:
         if not (pathlib.Path(self.path) / "config.json").exists():
-            from engine.tools.tiny import build_tiny_model
+            from raypd.tools.tiny import build_tiny_model
 
             print(f"building {self.path} ({self.arch}, size {self.size}, {self.dtype})", flush=True)
             build_tiny_model(self.path, arch=self.arch, size=self.size, dtype=self.dtype)

@@ -22,7 +22,8 @@ import dataclasses
 import socket
 from typing import Iterator
 
-from benchmarks.client import BenchConfig, BenchResult, run_benchmark
+from benchmarks.client import BenchResult, run_benchmark
+from benchmarks.workload import BenchConfig
 from cluster.config import RaypdConfig
 from cluster.planning.plan import MODES, Profile, Workload, requests_of, simulate
 from cluster.planning.simulator import Overheads

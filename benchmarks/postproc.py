@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from llmapi.detokenized import DetokenizedGenerationResultBase
+from postproc.detokenized import DetokenizedGenerationResultBase
 from llmapi.outputs import EngineResponse, ResultDelta, TokenDelta
 from llmapi.sampling_params import SamplingParams
 from postproc.pipes import new_pipe_key, sign, tcp_address
@@ -35,7 +35,7 @@ Steps = list[list[EngineResponse]]
 
 def token_stream(tokenizer, count: int) -> list[int]:
     """Real text's token ids (accents, CJK, punctuation), repeated to `count`."""
-    from engine.tools.tiny import corpus
+    from raypd.tools.tiny import corpus
 
     ids = tokenizer.encode(" ".join(corpus(400, seed=7)) + " 日本語のテキスト ça coûte €5 — naïve")
     return [ids[i % len(ids)] for i in range(count)]
@@ -164,7 +164,7 @@ def _tiny_model() -> str:
     default = Path("models/tiny-llama")
     if (default / "config.json").exists():
         return str(default)
-    from engine.tools.tiny import build_tiny_model
+    from raypd.tools.tiny import build_tiny_model
 
     return str(build_tiny_model(Path(tempfile.mkdtemp(prefix="raypd-bench-")) / "tiny-llama", arch="llama"))
 

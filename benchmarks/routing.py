@@ -19,7 +19,8 @@ import argparse
 import dataclasses
 import time
 
-from benchmarks.client import BenchConfig, BenchResult
+from benchmarks.client import BenchResult
+from benchmarks.workload import BenchConfig
 from cluster.config import RaypdConfig, RouterPolicy, load_config
 from benchmarks.plan_check import _free_port
 
@@ -39,7 +40,7 @@ def system_share(config: RaypdConfig, bench: BenchConfig, query_tokens: float) -
     """The share of looked-up prompt tokens that are the shared system prompt's full blocks (every turn has them)."""
     from transformers import AutoTokenizer
 
-    from benchmarks.client import system_prompt
+    from benchmarks.workload import system_prompt
 
     tokens = len(AutoTokenizer.from_pretrained(config.model).encode(system_prompt(bench)))
     block = config.engine.block_size

@@ -12,10 +12,11 @@ import dataclasses
 import socket
 import time
 
-from benchmarks.client import BenchConfig, BenchResult, RequestRecord, make_workload, run_benchmark
+from benchmarks.client import BenchResult, RequestRecord, run_benchmark
+from benchmarks.workload import BenchConfig, make_workload
 from benchmarks.report import format_table
 from cluster.config import RaypdConfig, load_config
-from llmapi import LLM, SamplingParams
+from raypd import LLM, SamplingParams
 
 
 def embedded(config: RaypdConfig, bench: BenchConfig) -> BenchResult:

@@ -28,7 +28,8 @@ import time
 
 import httpx
 
-from benchmarks.client import BenchConfig, BenchResult, run_benchmark
+from benchmarks.client import BenchResult, run_benchmark
+from benchmarks.workload import BenchConfig
 from benchmarks.report import format_table, plot_latency_cdfs, write_json
 from cluster.config import RaypdConfig, load_config
 
@@ -84,7 +85,7 @@ def vllm_server(config: RaypdConfig, vllm_python: str, log_path: pathlib.Path, d
 @contextlib.contextmanager
 def raypd_serve(port: int):
     """A local Ray with HAProxy (as `raypd serve`) on 127.0.0.1:port, for the deployments measured one after another."""
-    from cluster.cli import use_haproxy
+    from cluster.serving.haproxy import use_haproxy
 
     use_haproxy()  # as `raypd serve` runs it (before Serve is imported: it reads the setting once)
     import ray

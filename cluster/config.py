@@ -332,7 +332,7 @@ class RaypdConfig(_Strict):
         path = pathlib.Path(value).expanduser()
         if not path.is_dir():
             raise ValueError(f"no model directory at {value!r} (looked in {path.absolute()}); "
-                             f"`python -m engine.tools.tiny {value}` builds the default tiny model")
+                             f"`python -m raypd.tools.tiny {value}` builds the default tiny model")
         if not (path / "config.json").is_file():
             raise ValueError(f"{value!r} has no config.json: not a Hugging Face checkpoint directory")
         return str(path.resolve())

@@ -1,4 +1,5 @@
-"""What users import. The plain types load without the engine; `LLM` loads it on first use."""
+"""The plain types of the API (the reference API's names): parameters, outputs, results, the hand-off. They import
+nothing else of the project; the embedded `LLM` that drives the engine is `raypd.LLM`."""
 
 from llmapi.disaggregated_params import DisaggregatedParams, MultimodalEmbeddingHandle
 from llmapi.outputs import CompletionOutput, Logprob, MetricNames
@@ -6,19 +7,6 @@ from llmapi.result import GenerationResult, RequestError, RequestOutput
 from llmapi.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = [
-    "LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "GenerationResult",
-    "DisaggregatedParams",
-    "Logprob", "MetricNames", "RequestError", "MultimodalEncoder", "MultimodalEmbeddingHandle",
+    "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "GenerationResult",
+    "DisaggregatedParams", "Logprob", "MetricNames", "RequestError", "MultimodalEmbeddingHandle",
 ]
-
-
-def __getattr__(name: str):
-    if name == "LLM":
-        from llmapi.llm import LLM
-
-        return LLM
-    if name == "MultimodalEncoder":
-        from llmapi.multimodal_encoder import MultimodalEncoder
-
-        return MultimodalEncoder
-    raise AttributeError(f"module 'llmapi' has no attribute {name!r}")

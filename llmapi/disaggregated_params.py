@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
+# What a request asks of an engine: all of it, its prompt only (prefill), or generation from a handed-off KV (decode)
+RequestType = Literal["context_and_generation", "context_only", "generation_only"]
+REQUEST_TYPES: tuple[str, ...] = get_args(RequestType)
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class DisaggregatedParams:
     MultimodalEncoder; a context-only (or whole) request reads the embeddings they name. The decode side never gets
     them: its KV handle names the images by hash instead."""
 
-    request_type: str = "context_and_generation"
+    request_type: RequestType = "context_and_generation"
     first_gen_tokens: list[int] | None = None
     ctx_request_id: int | None = None
     opaque_state: bytes | None = None

@@ -11,7 +11,8 @@ import threading
 
 import ray
 
-from postproc.pipes import PipeAddr, new_pipe_key, tcp_address
+from postproc.pipes import new_pipe_key, tcp_address
+from protocol import PipeAddr
 from postproc.worker import PostprocWorker
 
 _STOP_TIMEOUT_S = 5.0

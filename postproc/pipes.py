@@ -35,9 +35,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from protocol import PipeAddr
+
 logger = logging.getLogger(__name__)
 
-PipeAddr = tuple[str, bytes | None]
 
 MIN_KEY_BYTES = 16
 _HWM = 100_000  # messages; a token batch per engine step, so this is minutes of backlog, not an unbounded queue

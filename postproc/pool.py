@@ -21,7 +21,8 @@ from typing import Callable
 
 from llmapi.outputs import EngineResponse
 from llmapi.result import GenerationResult
-from postproc.pipes import PipeAddr, new_pipe_key, tcp_address
+from postproc.pipes import new_pipe_key, tcp_address
+from protocol import PipeAddr
 from postproc.routing import Lane, Output, PostprocSender
 from postproc.worker import PostprocParams
 from postproc.worker_main import decode_addr, encode_addr
@@ -150,7 +151,7 @@ class PostprocPool:
             with self._lock:
                 result = self._results.pop(request_id, None)
             if result is not None:
-                result.put(RuntimeError(f"postproc worker {request_id % self._sender.num_workers} takes no "
+                result.put(RuntimeError(f"postproc worker {self._sender.worker_of(request_id)} takes no "
                                         "messages: the request cannot finish"))
                 self._abort(request_id)
 

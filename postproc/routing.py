@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
+from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
 from llmapi.sampling_params import SamplingParams
-from postproc.pipes import PipeAddr, PullPipe, PushPipe, new_pipe_key, tcp_address
+from postproc.pipes import PullPipe, PushPipe, new_pipe_key, tcp_address
+from protocol import PipeAddr, postproc_worker
 from postproc.worker import PostprocParams, PostprocWorker, Shutdown
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class PostprocSender:
         return len(self._pipes)
 
     def worker_of(self, request_id: int) -> int:
-        return request_id % len(self._pipes)
+        return postproc_worker(request_id, len(self._pipes))
 
     def is_down(self, worker: int) -> bool:
         return worker in self._down
@@ -62,7 +64,7 @@ class PostprocSender:
         self._down.discard(worker)
 
     def submit(self, request_id: int, sampling_params: SamplingParams, postproc_params: PostprocParams,
-               streaming: bool = False, disaggregated_params: Any = None) -> None:
+               streaming: bool = False, disaggregated_params: DisaggregatedParams | None = None) -> None:
         """Remembers a request's parameters until its first response is sent. Call once the engine accepted it."""
         self._first[request_id] = (sampling_params, postproc_params, disaggregated_params, streaming)
 
@@ -73,7 +75,7 @@ class PostprocSender:
         for rsp in responses:
             first = self._first.pop(rsp.request_id, None)
             inp = rsp if first is None else Input(rsp, *first)
-            by_worker.setdefault(rsp.request_id % len(self._pipes), []).append(inp)
+            by_worker.setdefault(self.worker_of(rsp.request_id), []).append(inp)
         failed = []
         for worker, inputs in by_worker.items():
             if worker not in self._down:

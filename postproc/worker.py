@@ -19,11 +19,12 @@ from typing import Any, Callable, NamedTuple
 
 from transformers import AutoTokenizer
 
-from llmapi.detokenized import DetokenizedGenerationResultBase
+from postproc.detokenized import DetokenizedGenerationResultBase
 from llmapi.outputs import EngineResponse, ResultDelta
 from llmapi.sampling_params import SamplingParams
 from postproc.hooks import HookState, Terminate, load_hook, suppressed, terminated
-from postproc.pipes import PipeAddr, PullPipe, PushPipe
+from postproc.pipes import PullPipe, PushPipe
+from protocol import PipeAddr
 
 logger = logging.getLogger(__name__)
 

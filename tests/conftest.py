@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from engine.tools.tiny import build_tiny_llava, build_tiny_model  # noqa: E402
+from raypd.tools.tiny import build_tiny_llava, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

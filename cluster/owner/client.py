@@ -18,9 +18,9 @@ from cluster.routing.router import Router
 from engine.multimodal.processing import MultimodalProcessor
 from llmapi.batch import Prompt, as_prompt_list, split_prompt, wait_all
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import Resume
 from llmapi.result import RequestOutput
 from llmapi.sampling_params import SamplingParams
+from protocol import Submit
 
 
 class ActorRoles:
@@ -42,21 +42,10 @@ class ActorRoles:
         finally:
             self.encoder_router.release(i, len(images))
 
-    def prefill(self, request_id: int, result: RequestOutput, images: DisaggregatedParams | None = None
-                ) -> AsyncIterator:
-        return self._stream("prefill", "prefill", len(result.prompt_token_ids), request_id,
-                            result.prompt_token_ids, result.sampling_params, images)
-
-    def generate(self, role: str, request_id: int, result: RequestOutput, params: DisaggregatedParams | None,
-                 resume: Resume | None) -> AsyncIterator:
-        cost = len(result.prompt_token_ids) + result.sampling_params.max_tokens
-        return self._stream(role, "generate", cost, request_id, result.prompt_token_ids, result.sampling_params,
-                            params, resume)
-
-    def generate_via_postproc(self, *args) -> AsyncIterator:
-        raise NotImplementedError("plain-actor owners post-process the decode stream themselves (no lanes)")
-
-    async def _stream(self, role: str, method: str, cost: int, *args) -> AsyncIterator:
+    async def call(self, role: str, submit: Submit) -> AsyncIterator:
+        if submit.route is not None:
+            raise ValueError("plain-actor owners post-process the decode stream themselves (no lanes)")
+        cost = len(submit.prompt_token_ids) + (0 if submit.kind == "context_only" else submit.params.max_tokens)
         router = self.routers[role]
         dead = tuple(i for i, w in enumerate(router.workers) if w in self._dead)
         try:
@@ -65,7 +54,7 @@ class ActorRoles:
             raise NotAccepted(str(exc)) from None
         worker = router.workers[i]
         try:
-            async for ref in getattr(worker, method).remote(*args):
+            async for ref in worker.serve.remote(submit):
                 yield await ref
         except RayActorError:
             self._dead.add(worker)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from postproc.pipes import PipeAddr, PushPipes
+from postproc.pipes import PushPipes
+from protocol import PipeAddr
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Direct starts: an idle owner sends a request straight to a decode replica's control pipe instead of calling it
-through Serve (decode.worker.Start), and hears back on a reply pipe of its own what the call would have streamed.
+through Serve (protocol.Start), and hears back on a reply pipe of its own what the call would have streamed.
 
 Measured on a 2-core host at concurrency 1, a Serve call costs ~4 ms between the owner and the engine taking the
 request (the owner's handle and router thread, gRPC, the replica's loop, Accepted back); the pipe ~1.5 ms. Only an
@@ -26,10 +26,8 @@ from cluster.owner.control import ControlClient
 from cluster.serving.directory import Entry
 from cluster.owner.lanes import ToLoop
 from cluster.routing.policy import ReplicaState, prompt_block_keys, replica_cost
-from decode.worker import Accepted, Done, PostprocRoute, Reply, Start
-from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.result import RequestOutput
-from postproc.pipes import PipeAddr, PullPipe, new_pipe_key, tcp_address
+from postproc.pipes import PullPipe, new_pipe_key, tcp_address
+from protocol import Accepted, Done, PipeAddr, Reply, Start, Submit
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +83,13 @@ class DirectStarts:
         rid = live[0][0] if len(live) == 1 else min(live, key=cost)[0]
         return rid, self._pipes[rid]
 
-    async def generate_via_postproc(self, target: tuple[str, PipeAddr], request_id: int, result: RequestOutput,
-                                    params: DisaggregatedParams | None, route: PostprocRoute
-                                    ) -> AsyncIterator[Accepted | Done]:
-        """As Roles.generate_via_postproc streams it: Accepted, then Done once the engine is done."""
+    async def call(self, target: tuple[str, PipeAddr], submit: Submit) -> AsyncIterator[Accepted | Done]:
+        """As a routed call streams it: Accepted, then Done once the engine is done."""
         replica, pipe = target
         queue: asyncio.Queue = asyncio.Queue()
-        self._calls[request_id] = (replica, queue)
+        self._calls[submit.request_id] = (replica, queue)
         try:
-            start = Start(request_id, result.prompt_token_ids, result.sampling_params, params, route, self.reply_addr)
+            start = Start(submit, self.reply_addr)
             try:
                 await self._control.deliver(pipe, start, _SEND_TIMEOUT_S)
             except TimeoutError:
@@ -107,7 +103,7 @@ class DirectStarts:
                 if isinstance(item, Done):
                     return
         finally:
-            self._calls.pop(request_id, None)
+            self._calls.pop(submit.request_id, None)
 
     def close(self) -> None:
         self._stop.set()

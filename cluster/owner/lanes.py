@@ -15,8 +15,7 @@ from typing import Callable
 
 import ray
 
-from decode.worker import PostprocRoute
-from postproc.pipes import PipeAddr
+from protocol import PipeAddr, PostprocRoute
 from postproc.routing import Lane, Output
 
 log = logging.getLogger(__name__)

@@ -25,12 +25,13 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from cluster.owner.control import ControlClient
 from cluster.owner.direct import DirectStarts, ReplicaGone
 from cluster.routing.local_prefill import OwnerLoad
-from decode.worker import Abort, Accepted, Done, PostprocRoute, PostprocUnreachable, StopCandidates
-from llmapi.detokenized import DetokenizedGenerationResultBase
+from postproc.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse, Resume, ResumedCandidate, TokenDelta
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
+from protocol import (Abort, Accepted, Done, PostprocRoute, PostprocUnreachable, StopCandidates, Submit,
+                      postproc_worker)
 
 log = logging.getLogger(__name__)
 
@@ -52,28 +53,18 @@ LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, Post
 
 
 class Roles(Protocol):
-    """How an owner reaches the workers. Each call but encode streams Accepted first. role: "prefill" or "decode" (a
-    prefill worker serves whole requests too). colocated: there is no prefill role."""
+    """How an owner reaches the workers. role: "prefill" or "decode" (a prefill worker serves whole requests too).
+    colocated: there is no prefill role."""
 
     colocated: bool
 
     async def encode(self, result: RequestOutput, images: tuple) -> DisaggregatedParams:
-        """The embedding handles and content hashes of the request's images (engine.multimodal.processing.ImageItem, decoded
-        and hashed by the owner), from an encoder worker it picked."""
+        """The embedding handles and content hashes of the request's images (engine.multimodal.processing.ImageItem,
+        decoded and hashed by the owner), from an encoder worker it picked."""
 
-    def prefill(self, request_id: int, result: RequestOutput, images: DisaggregatedParams | None = None
-                ) -> AsyncIterator[Accepted | EngineResponse]:
-        """Accepted, then the context-only response (first tokens; a Handoff unless every candidate ended); the
-        worker reads the images' embeddings the encoder's handles name."""
-
-    def generate(self, role: str, request_id: int, result: RequestOutput, params: DisaggregatedParams | None,
-                 resume: Resume | None) -> AsyncIterator[Accepted | EngineResponse]:
-        """Accepted, then the responses: generation-only from params' KV, or whole (params None)."""
-
-    def generate_via_postproc(self, role: str, request_id: int, result: RequestOutput,
-                              params: DisaggregatedParams | None, resume: Resume | None,
-                              route: PostprocRoute) -> AsyncIterator[Accepted | Done]:
-        """Accepted, then Done once the engine is done; the tokens go through the postproc workers."""
+    def call(self, role: str, submit: Submit) -> AsyncIterator[Accepted | EngineResponse | Done]:
+        """A replica of the role serves the Submit (EngineReplica.serve): Accepted, then the responses, or Done
+        when the Submit has a route."""
 
 
 class Lanes(Protocol):
@@ -195,7 +186,8 @@ class RequestOwner:
         # Images go to an encoder first; only their handles travel on (DESIGN.md, "One request, end to end").
         images = await self.roles.encode(s.result, s.images) if s.images else None
         try:
-            async for item in _accepted_within(self.roles.prefill(s.engine_id, s.result, images), ACCEPT_TIMEOUT_S):
+            async for item in _accepted_within(self.roles.call("prefill", _submit(s, _context(images))),
+                                               ACCEPT_TIMEOUT_S):
                 if isinstance(item, Accepted):
                     self._hold(s, "prefill", item)
                 else:
@@ -253,7 +245,7 @@ class RequestOwner:
         if route is not None:
             await self._via_postproc(s, role, params, resume, route)
             return
-        stream = self.roles.generate(role, s.engine_id, s.result, params, resume)
+        stream = self.roles.call(role, _submit(s, params, resume))
         async for item in _accepted_within(stream, ACCEPT_TIMEOUT_S):
             if isinstance(item, Accepted):
                 self._hold(s, role, item)
@@ -267,8 +259,8 @@ class RequestOwner:
         worker lost meanwhile (on_postproc_lost) stops the call and resumes the request."""
         final = asyncio.get_running_loop().create_future()
         self._via_lane[s.engine_id] = (s, final)
-        stream = self._direct_start(s, role, params, resume, route) or self.roles.generate_via_postproc(
-            role, s.engine_id, s.result, params, resume, route)
+        submit = _submit(s, params, resume, route)
+        stream = self._direct_start(s, role, submit) or self.roles.call(role, submit)
         call = asyncio.ensure_future(self._follow(s, role, stream))
         try:
             await asyncio.wait({call, final}, return_when=asyncio.FIRST_COMPLETED)
@@ -278,25 +270,24 @@ class RequestOwner:
             call.result()  # raises what lost the call
             await asyncio.wait_for(asyncio.shield(final), LANE_GRACE_S)
         except asyncio.TimeoutError:
-            raise PostprocLost(f"no final output from postproc worker {s.engine_id % len(route.lanes)} within "
-                               f"{LANE_GRACE_S} s") from None
+            worker = postproc_worker(s.engine_id, len(route.lanes))
+            raise PostprocLost(f"no final output from postproc worker {worker} within {LANE_GRACE_S} s") from None
         finally:
             call.cancel()
             self._via_lane.pop(s.engine_id, None)
             if not final.done() or final.exception() is not None:
                 self._release(s, role)
 
-    def _direct_start(self, s: _Serving, role: str, params: DisaggregatedParams | None, resume: Resume | None,
-                      route: PostprocRoute) -> AsyncIterator[Accepted | Done] | None:
+    def _direct_start(self, s: _Serving, role: str, submit: Submit) -> AsyncIterator[Accepted | Done] | None:
         """The request's first decode call, made straight to a decode replica's pipe while this owner serves
         nothing else (cluster/owner/direct.py); None: call through the roles."""
-        if self.direct is None or role != "decode" or resume is not None or s.images or len(self._serving) != 1:
+        if self.direct is None or role != "decode" or submit.resume is not None or s.images or len(self._serving) != 1:
             return None
         target = self.direct.choose(s.result.prompt_token_ids, s.result.sampling_params.cache_salt)
         if target is None:
             return None
         self.counters["direct_start"] += 1
-        return self.direct.generate_via_postproc(target, s.engine_id, s.result, params, route)
+        return self.direct.call(target, submit)
 
     async def _follow(self, s: _Serving, role: str, stream) -> None:
         async for item in _accepted_within(stream, ACCEPT_TIMEOUT_S):
@@ -320,7 +311,7 @@ class RequestOwner:
     def on_postproc_lost(self, worker: int, count: int, why: str) -> None:
         """Postproc worker `worker` (of `count`) is gone: its requests are resumed without it."""
         for engine_id, (s, final) in list(self._via_lane.items()):
-            if engine_id % count == worker and not final.done():
+            if postproc_worker(engine_id, count) == worker and not final.done():
                 final.set_exception(PostprocLost(f"postproc worker {worker} was lost ({why})"))
 
     def _deliver(self, s: _Serving, rsp: EngineResponse) -> bool:
@@ -368,6 +359,19 @@ class RequestOwner:
         s.record.prime({o.index: list(o.token_ids) for o in s.result.candidates})
         return Resume(tuple(ResumedCandidate(o.index, tuple(o.token_ids), o.cumulative_logprob or 0.0)
                             for o in outs))
+
+
+def _submit(s: _Serving, params: DisaggregatedParams | None, resume: Resume | None = None,
+            route: PostprocRoute | None = None) -> Submit:
+    return Submit(s.engine_id, s.result.prompt_token_ids, s.result.sampling_params, params, resume, route)
+
+
+def _context(images: DisaggregatedParams | None) -> DisaggregatedParams:
+    """A prefill call's params: context-only, with the encoder's handles and hashes of the prompt's images."""
+    mm = images or DisaggregatedParams()
+    return DisaggregatedParams(request_type="context_only",
+                               multimodal_embedding_handles=mm.multimodal_embedding_handles,
+                               multimodal_hashes=mm.multimodal_hashes)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

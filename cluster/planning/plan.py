@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from benchmarks.client import BenchConfig, Percentiles, make_workload
+from benchmarks.workload import BenchConfig, Percentiles, make_workload
 from cluster.config import RaypdConfig
 from cluster.planning.simulator import (FEATURES, EngineShape, Overheads, SimRecord, SimRequest, Simulation, StepModel,
                                step_features)

@@ -20,6 +20,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
 from cluster.routing.policy import ReplicaState, prompt_block_keys, uncached_tokens
+from protocol import Submit
 
 ROUTING_STATS_PERIOD_S = 0.5
 # A prompt's blocks count as cached where it was sent until a report of that replica shows them. Reports reach the
@@ -28,11 +29,11 @@ _SENT_KEYS_TTL_S = 30.0
 
 
 def _request_prompt(pending_request) -> tuple[list[int], str | None]:
-    """(prompt token ids, cache salt) of a prefill/decode call: (request id, prompt ids, sampling params, ...)."""
+    """(prompt token ids, cache salt) of a prefill/decode call (a serve(Submit) call; anything else: none)."""
     args = getattr(pending_request, "args", ()) or ()
-    ids = args[1] if len(args) > 1 and isinstance(args[1], list) else []
-    salt = getattr(args[2], "cache_salt", None) if len(args) > 2 else None
-    return ids, salt
+    if not args or not isinstance(args[0], Submit):
+        return [], None
+    return args[0].prompt_token_ids, args[0].params.cache_salt
 
 
 class _Sent:

@@ -21,8 +21,9 @@ from encoder.worker import EncoderWorker
 from engine.multimodal.encoder import EncoderConfig
 from engine.core.engine import EngineConfig
 from engine.core.worker import EngineWorker
-from postproc.pipes import PipeAddr
+from protocol import PipeAddr
 from prefill.worker import PrefillWorker
+from replica.engine_replica import EngineReplica
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class Membership:
     """A background thread that keeps `worker` in the directory under `role`, meeting the replicas of `meets`, and
     follows the postproc workers to their new pipes when Ray restarts them."""
 
-    def __init__(self, worker: DecodeWorker | EncoderWorker, role: str, meets: str | None, postprocs: list):
+    def __init__(self, worker: EngineReplica | EncoderWorker, role: str, meets: str | None, postprocs: list):
         self.worker, self.role, self.meets, self.postprocs = worker, role, meets, postprocs
         replica = serve.get_replica_context().replica_id
         self.directory = Directory(replica.deployment_id.app_name)  # the replicas of this Serve application
@@ -96,7 +97,7 @@ class Membership:
                 addr = tuple(ray.get(actor.pull_pipe_addr.remote(), timeout=_POSTPROC_CALL_S))
             except Exception:  # down or restarting: its requests fail fast meanwhile (PostprocSender)
                 continue
-            if addr != tuple(self.worker._postproc_addrs[i]):
+            if addr != tuple(self.worker.postproc_addrs[i]):
                 log.warning("%s replica %s: postproc worker %d is back at a new pipe", self.role, self.replica_id, i)
                 self.worker.reconnect_postproc(i, addr)
 
@@ -139,9 +140,10 @@ class PrefillReplica(PrefillWorker):
 class DecodeReplica(DecodeWorker):
     def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
         postprocs = list(postprocs or [])
-        super().__init__(model_dir, config, postproc_addrs(postprocs))
+        # named in Accepted: direct starts find this replica by it
+        name = serve.get_replica_context().replica_id.unique_id
+        super().__init__(model_dir, config, postproc_addrs(postprocs), replica_name=name)
         self._membership = Membership(self, "decode", "prefill", postprocs)
-        self.replica_name = self._membership.replica_id  # named in Accepted: direct starts find this replica by it
 
     def record_routing_stats(self) -> dict:
         return routing_stats(self, "decode")

@@ -14,10 +14,9 @@ from typing import AsyncIterator
 
 from ray.serve import context as serve_context
 
-from decode.worker import PostprocRoute
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import Resume
 from llmapi.result import RequestOutput
+from protocol import Submit
 
 
 class ServeRoles:
@@ -33,25 +32,9 @@ class ServeRoles:
             raise ValueError("this deployment has no encoder role: the model has no vision tower")
         return await _remote(self._encoder.encode, list(images))
 
-    def prefill(self, request_id: int, result: RequestOutput, images: DisaggregatedParams | None = None
-                ) -> AsyncIterator:
-        return self._stream("prefill", "prefill", request_id, result.prompt_token_ids, result.sampling_params,
-                            images)
-
-    def generate(self, role: str, request_id: int, result: RequestOutput, params: DisaggregatedParams | None,
-                 resume: Resume | None) -> AsyncIterator:
-        return self._stream(role, "generate", request_id, result.prompt_token_ids, result.sampling_params, params,
-                            resume)
-
-    def generate_via_postproc(self, role: str, request_id: int, result: RequestOutput,
-                              params: DisaggregatedParams | None, resume: Resume | None,
-                              route: PostprocRoute) -> AsyncIterator:
-        return self._stream(role, "generate_via_postproc", request_id, result.prompt_token_ids,
-                            result.sampling_params, params, route, resume)
-
-    async def _stream(self, role: str, method: str, *args) -> AsyncIterator:
-        # The request router reads the prompt's token ids from args[1] (cluster/routing/request_router.py).
-        response = _remote(getattr(self._handles[role].options(stream=True), method), *args)
+    async def call(self, role: str, submit: Submit) -> AsyncIterator:
+        # The request router reads the prompt from the Submit (cluster/routing/request_router.py).
+        response = _remote(self._handles[role].options(stream=True).serve, submit)
         done = False
         try:
             async for item in response:

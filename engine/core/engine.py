@@ -15,7 +15,7 @@ from engine.kv.kv_cache import KVCache, KVLayout
 from engine.kv.kv_connector import EngineCard, KVConnector, NullConnector
 from engine.model.causal_lm import CausalLM
 from engine.core.output_processor import OutputProcessor
-from engine.core.request import REQUEST_KINDS, EngineRequest, FirstToken, MultimodalItem
+from engine.core.request import EngineRequest, FirstToken, MultimodalItem
 from engine.model.runner import ModelRunner
 from engine.sampling.sampler import Sampler
 from engine.core.scheduler import Scheduler
@@ -125,7 +125,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already in use")
         check_request(prompt_token_ids, params, self.spec, self.block_manager, self.config.max_num_seqs)
-        kind = disaggregated_params.request_type if disaggregated_params else REQUEST_KINDS[0]
+        kind = disaggregated_params.request_type if disaggregated_params else "context_and_generation"
         req = EngineRequest(request_id, list(prompt_token_ids), params, kind, cache_salt=params.cache_salt,
                             mm_items=tuple(mm_items), mm_embeddings=tuple(mm_embeddings),
                             echo_first_tokens=echo_first_tokens)
@@ -144,7 +144,7 @@ class LLMEngine:
 
     def _resume(self, req: EngineRequest, resume: Resume) -> None:
         params = req.sampling_params
-        if req.kind != REQUEST_KINDS[0]:
+        if req.kind != "context_and_generation":
             raise ValueError(f"a resumed request is served whole, not {req.kind}")
         for c in resume.candidates:
             if not 0 <= c.index < params.num_candidates or len(c.token_ids) >= params.max_tokens:

@@ -5,10 +5,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
+from llmapi.disaggregated_params import RequestType
 from llmapi.sampling_params import SamplingParams
 
-REQUEST_KINDS = ("context_and_generation", "context_only", "generation_only")
+if TYPE_CHECKING:  # types only: these modules need torch and nixl, a request does not
+    import torch
+
+    from engine.kv.kv_handle import KVHandle
+    from engine.sampling.grammar import GrammarMatcher
+
 
 
 class SeqStatus(Enum):
@@ -60,7 +67,7 @@ class Sequence:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
-    grammar: object = None  # engine.sampling.grammar.GrammarMatcher at this sequence's place, when the request has a grammar
+    grammar: GrammarMatcher | None = None  # at this sequence's place, when the request has a grammar
 
     @property
     def num_tokens(self) -> int:
@@ -91,19 +98,19 @@ class EngineRequest:
     request_id: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    kind: str = "context_and_generation"  # one of REQUEST_KINDS
+    kind: RequestType = "context_and_generation"
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # True once every candidate has its own sequence
-    prompt_logits: dict[int, object] = field(default_factory=dict)  # position -> (vocab,) fp32 logits, when asked for
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> (vocab,) fp32 logits, when asked for
     reported_queue_time: bool = False
     cache_salt: str | None = None  # isolates this tenant's prefix-cache entries from everyone else's
     mm_items: tuple[MultimodalItem, ...] = ()
     # Aligned with mm_items: each image's (length, hidden) embeddings, kept until the request ends (a preempted
     # request recomputes its prompt and splices them again). Empty on a generation-only request: it reads the KV.
-    mm_embeddings: tuple[object, ...] = ()
-    kv_source: object = None  # generation_only: the verified KV handle its prompt's KV is read from
+    mm_embeddings: tuple[torch.Tensor, ...] = ()
+    kv_source: KVHandle | None = None  # generation_only: the verified KV handle its prompt's KV is read from
     first_tokens: tuple[FirstToken, ...] = ()  # generation_only: each candidate's first token, from the prefill side
     echo_first_tokens: bool = True  # generation_only: emit the first tokens again (an owner that streamed them: no)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted

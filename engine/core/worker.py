@@ -121,11 +121,16 @@ class EngineWorker:
     async def _prepare(self, ids: list[int], params: DisaggregatedParams | None) -> PreparedPrompt:
         """The prompt as the engine takes it: a generation-only one as is (its images come with the KV handle);
         otherwise with the embeddings its handles name, read off the event loop (the reader has its deadline)."""
-        if params is not None and params.request_type == "generation_only":
-            return PreparedPrompt(list(ids))
-        if params is not None and params.multimodal_embedding_handles:
+        if params is not None and params.request_type != "generation_only" and params.multimodal_embedding_handles:
             return await asyncio.to_thread(self.images.from_handles, ids, params.multimodal_embedding_handles,
                                            params.multimodal_hashes)
+        return self.prepare_now(ids, params)
+
+    def prepare_now(self, ids: list[int], params: DisaggregatedParams | None) -> PreparedPrompt:
+        """The prompt of a request without embeddings to read: a generation-only one as is (its images come with
+        the KV handle); a text one checked for image placeholders it has no images for."""
+        if params is not None and params.request_type == "generation_only":
+            return PreparedPrompt(list(ids))
         return self.images.text(ids)
 
     # ---- on the engine thread ----

@@ -34,7 +34,7 @@ def cluster_file(ssh_key: pathlib.Path, venv: pathlib.Path) -> dict[str, Any]:
         # that reads ~/.bashrc, so the environment holds for the start commands and `ray exec` too.
         f"echo 'export PATH={venv}/bin:$PATH PYTHONPATH=$HOME/raypd RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0' "
         ">> ~/.bashrc",
-        "cd ~/raypd && python -m engine.tools.tiny models/tiny-llama",
+        "cd ~/raypd && python -m raypd.tools.tiny models/tiny-llama",
     ]
     return config
 

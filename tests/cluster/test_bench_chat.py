@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.client import BenchConfig, BenchResult, RequestRecord, make_workload, run_benchmark, system_prompt
-from cluster.config import ConfigError
+from benchmarks.client import BenchResult, RequestRecord, run_benchmark
+from benchmarks.workload import BenchConfig, make_workload, system_prompt
+
 from tests.cluster.test_bench_client import MODEL, _config, endpoint, server  # noqa: F401 (fixtures)
 
 REPLY = "".join(f" t{i}" for i in range(6))  # what the stand-in server streams for output_len 6
@@ -45,7 +46,7 @@ def test_chat_workload_is_seeded_and_conversations_arrive_as_the_poisson_process
 @pytest.mark.parametrize("change, field", [({"num_turns": 3}, "num_turns"), ({"workload": "poems"}, "workload"),
                                            ({"system_len": -1}, "system_len")])
 def test_bad_chat_settings_are_named(change, field):
-    with pytest.raises(ConfigError, match=f"bench {field}"):
+    with pytest.raises(ValueError, match=f"bench {field}"):
         BenchConfig("http://127.0.0.1:1/v1", MODEL, num_requests=8, **{"workload": "chat", **change})
 
 

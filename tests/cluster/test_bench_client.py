@@ -17,7 +17,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from benchmarks.client import BenchConfig, BenchResult, make_workload, run_benchmark
+from benchmarks.client import BenchResult, run_benchmark
+from benchmarks.workload import BenchConfig, make_workload
 from cluster.cli import main
 
 TTFT_S, SLOW_TTFT_S, ITL_S = 0.05, 0.3, 0.02

@@ -17,7 +17,7 @@ import httpx
 import openai
 import yaml
 
-from engine.tools.tiny import build_tiny_llava
+from raypd.tools.tiny import build_tiny_llava
 from tests.cluster.procs import processes_in, wait_healthy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -12,10 +12,9 @@ from cluster.owner.control import ControlClient
 from cluster.owner.direct import DirectStarts, ReplicaGone
 from cluster.serving.directory import Entry
 from cluster.routing.policy import ReplicaState
-from decode.worker import Accepted, Done, PostprocRoute, Reply, Start
-from llmapi.result import RequestOutput
 from llmapi.sampling_params import SamplingParams
 from postproc.pipes import PullPipe, PushPipe, new_pipe_key, tcp_address
+from protocol import Accepted, Done, PostprocRoute, Reply, Start, Submit
 
 ROUTE = PostprocRoute((0, 0))
 
@@ -24,8 +23,8 @@ def _entry(replica: str, load_tokens: int) -> Entry:
     return Entry("decode", replica, None, {}, 1, routing=ReplicaState(load_tokens, 16).to_json())
 
 
-def _result(request_id: int) -> RequestOutput:
-    return RequestOutput(request_id, [5, 6, 7], SamplingParams(max_tokens=4))
+def _submit(request_id: int) -> Submit:
+    return Submit(request_id, [5, 6, 7], SamplingParams(max_tokens=4), route=ROUTE)
 
 
 class Replica:
@@ -60,8 +59,7 @@ def _with_direct(body) -> None:
 
 async def _start(direct: DirectStarts, replica: Replica, request_id: int):
     """Starts a request on `replica`: (the stream's first item, pending; the Start as the replica read it)."""
-    stream = direct.generate_via_postproc((replica.name, replica.pipe.addr), request_id, _result(request_id), None,
-                                          ROUTE)
+    stream = direct.call((replica.name, replica.pipe.addr), _submit(request_id))
     first = asyncio.ensure_future(stream.__anext__())
     return stream, first, await asyncio.to_thread(replica.pipe.get, 5.0)
 
@@ -90,7 +88,7 @@ def test_the_start_reaches_the_replica_and_its_replies_are_the_calls_stream(repl
         direct.update([_entry("r1", 0)])
         stream, first, start = await _start(direct, replica, 41)
         assert isinstance(start, Start)
-        assert (start.request_id, start.prompt_token_ids, start.route) == (41, [5, 6, 7], ROUTE)
+        assert (start.submit.request_id, start.submit.prompt_token_ids, start.submit.route) == (41, [5, 6, 7], ROUTE)
         with PushPipe(start.reply) as back:
             back.put(Reply(41, replica.accepted()))
             assert await asyncio.wait_for(first, 5) == replica.accepted()
@@ -130,7 +128,7 @@ def test_a_start_no_replica_takes_fails_at_once():
     gone.close()  # nothing listens there any more
 
     async def body(direct):
-        stream = direct.generate_via_postproc(("r1", addr), 9, _result(9), None, ROUTE)
+        stream = direct.call(("r1", addr), _submit(9))
         with pytest.raises(ReplicaGone, match="takes no messages"):
             await asyncio.wait_for(stream.__anext__(), 5)
     _with_direct(body)

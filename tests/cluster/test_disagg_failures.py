@@ -9,7 +9,9 @@ import ray
 
 from cluster.serving.launch import start_workers
 from engine.core.engine import EngineConfig
-from llmapi import LLM, SamplingParams
+from raypd import LLM, SamplingParams
+from llmapi.disaggregated_params import DisaggregatedParams
+from protocol import Submit
 
 CONFIG = EngineConfig(block_size=4, num_threads=1)
 
@@ -28,16 +30,17 @@ def _kill_prefill_then_decode(workers, model_dir: str) -> None:
     with LLM(model_dir, block_size=4) as llm:
         ref = llm.generate("the prefill worker dies", params)
     ids = ref.prompt_token_ids
-    ctx = ray.get(list(prefill.prefill.remote(1, ids, params)), timeout=60)[-1]  # after Accepted
+    context = DisaggregatedParams(request_type="context_only")
+    ctx = ray.get(list(prefill.serve.remote(Submit(1, ids, params, context))), timeout=60)[-1]  # after Accepted
     ray.kill(prefill)  # its NIXL agent dies with it, holding the only copy of the prompt's KV
     dp = ctx.handoff.generation_params()
     start = time.monotonic()
-    responses = ray.get(list(decode.generate.remote(1, ids, params, dp)), timeout=60)[1:]
+    responses = ray.get(list(decode.serve.remote(Submit(1, ids, params, dp))), timeout=60)[1:]
     assert time.monotonic() - start < CONFIG.kv_transfer_timeout_s + 10
     tokens = [ctx.deltas[0].token_ids[0]] + [t for r in responses for d in r.deltas for t in d.token_ids]
     assert tokens == ref.outputs[0].token_ids
     # the decode worker keeps serving, and its pool is whole again
-    again = ray.get(list(decode.generate.remote(2, ids, params, dp)), timeout=60)[1:]
+    again = ray.get(list(decode.serve.remote(Submit(2, ids, params, dp))), timeout=60)[1:]
     assert again[-1].finished
     free, total = ray.get(decode.kv_blocks.remote(), timeout=30)
     assert free == total

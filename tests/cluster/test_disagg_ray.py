@@ -10,7 +10,7 @@ import ray
 from cluster.owner.client import DisaggregatedClient
 from cluster.serving.launch import start_workers
 from engine.core.engine import EngineConfig
-from llmapi import LLM, SamplingParams
+from raypd import LLM, SamplingParams
 
 PROMPTS = ["The history of the", "café 你好 🙂 naïve", "one two three four five six seven eight nine ten"]
 CONFIG = EngineConfig(block_size=4, num_threads=1)

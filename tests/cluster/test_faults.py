@@ -23,7 +23,7 @@ from ray import serve
 from cluster.serving.app import POSTPROC_NAMESPACE, deploy
 from cluster.config import parse_config
 from cluster.serving.directory import Directory
-from llmapi import LLM, SamplingParams
+from raypd import LLM, SamplingParams
 from tests.cluster.conftest import FAULT_SUMMARY
 
 APP = "raypd-faults"

@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 
 from cluster.routing.local_prefill import LocalPrefill
 from cluster.owner.owner import NotAccepted, RequestOwner
-from decode.worker import Accepted
 from llmapi.outputs import EngineResponse, TokenDelta
 from llmapi.sampling_params import SamplingParams
+from protocol import Accepted
 
 CONTROL = ("tcp://127.0.0.1:9", None)  # never written to: nothing here is aborted
 
@@ -34,7 +34,13 @@ class Roles:
     async def encode(self, result, images):
         raise AssertionError("no images here")
 
-    async def prefill(self, request_id, result, images=None):
+    def call(self, role, submit):
+        if submit.kind == "context_only":
+            return self._prefill(submit.request_id)
+        assert submit.disaggregated_params is None  # a whole request: prefilled where it decodes
+        return self._generate(role, submit.request_id)
+
+    async def _prefill(self, request_id):
         self.calls.append(("prefill", request_id))
         if self.prefill_down:
             raise NotAccepted("no replica took the call")
@@ -42,8 +48,7 @@ class Roles:
         await self.release_prefill.wait()
         yield _last_token(request_id)  # its only candidate ended with the first token: nothing to decode
 
-    async def generate(self, role, request_id, result, params, resume):
-        assert params is None  # a whole request: prefilled where it decodes
+    async def _generate(self, role, request_id):
         self.calls.append((role, request_id))
         yield Accepted(CONTROL)
         if self.generate_gate is not None:

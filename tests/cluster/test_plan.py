@@ -102,7 +102,7 @@ def test_plan_yaml_is_a_valid_deployment_with_the_counts(tmp_path, tiny_llama):
     source = tmp_path / "in.yaml"
     source.write_text(yaml.safe_dump({"model": tiny_llama, "decode": {"autoscaling": {"max_replicas": 3}},
                                       "router": {"policy": "prefix_aware"}}))
-    from benchmarks.client import Percentiles
+    from benchmarks.workload import Percentiles
     best = Outcome(2, 3, Percentiles(1, 1, 1, 1), Percentiles(1, 1, 1, 1), 1.0, 5.0, 10.0)
     out = tmp_path / "plan.yaml"
     out.write_text(plan_yaml(source, best))

@@ -18,7 +18,7 @@ from ray import serve
 from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
 from cluster.serving.directory import Directory
-from llmapi import LLM, SamplingParams
+from raypd import LLM, SamplingParams
 
 APP, SCALE_APP, BURST_APP = "raypd-route", "raypd-scale", "raypd-burst"
 BLOCK = 4

@@ -19,7 +19,7 @@ import ray
 from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
 from cluster.serving.directory import Directory
-from llmapi import LLM, GuidedDecodingParams, SamplingParams
+from raypd import LLM, GuidedDecodingParams, SamplingParams
 
 KEY = "sk-raypd-test"
 

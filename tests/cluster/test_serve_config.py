@@ -22,8 +22,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray.util import state
 
-from engine.tools.tiny import build_tiny_llava
-from llmapi import LLM, SamplingParams
+from raypd.tools.tiny import build_tiny_llava
+from raypd import LLM, SamplingParams
 from tests.cluster.procs import processes_in, wait_healthy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tools import tiny
+from raypd.tools import tiny
 from postproc.detokenizer import CandidateText, IncrementalDetokenizer, StopStringMatcher, TokenTable, _OffsetStream
 
 FFFD = "\ufffd"

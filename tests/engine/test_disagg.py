@@ -9,7 +9,7 @@ import time
 import pytest
 
 from engine.kv.kv_handle import KVHandle
-from llmapi import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
+from raypd import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
 from tests.pools import wait_pools_full
 
 

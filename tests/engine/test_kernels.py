@@ -14,7 +14,7 @@ from engine.config import this_cpu_flags
 from engine.model.kernels import REFERENCE, CpuKernelOps, cpu_kernels, select_ops
 from engine.kv.kv_cache import KVCache, KVLayout
 from engine.model.causal_lm import CausalLM, Linear, can_pack
-from engine.tools.tiny import build_tiny_model
+from raypd.tools.tiny import build_tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16]
 # fp32: only summation order differs. bf16: results are rounded where the reference rounds, so most elements are

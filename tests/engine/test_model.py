@@ -16,7 +16,7 @@ from engine.model.attention import AttentionMetadata, SeqSlice
 from engine.config import SUPPORTED_ARCHITECTURES, auto_dtype, load_spec
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
-from engine.tools.tiny import build_tiny_model
+from raypd.tools.tiny import build_tiny_model
 
 # Each variant exercises what its family adds: biases (+ tied head), per-head q/k norms with a head_dim that is not
 # hidden/heads, and a sliding window shorter than the prompts.

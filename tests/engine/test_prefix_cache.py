@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from engine.core.engine import EngineConfig, LLMEngine
-from llmapi import LLM, DisaggregatedParams, SamplingParams
+from raypd import LLM, DisaggregatedParams, SamplingParams
 from tests.engine.test_engine import ARCH_VARIANTS, run
 from tests.pools import wait_pools_full
 
@@ -123,7 +123,7 @@ def test_disaggregated_hits(pair, where):
 
 
 def test_a_colocated_llm_never_loads_nixl(tiny_llama):
-    script = ("import sys\nfrom llmapi import LLM, SamplingParams\n"
+    script = ("import sys\nfrom raypd import LLM, SamplingParams\n"
               f"with LLM({tiny_llama!r}) as llm:\n"
               "    llm.generate('hello', SamplingParams(max_tokens=3))\n"
               "print(sorted(m for m in sys.modules if 'nixl' in m))\n")

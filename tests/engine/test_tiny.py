@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.tools import tiny
+from raypd.tools import tiny
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CJK, EMOJI = "你好世界", "🙂🚀"
@@ -175,7 +175,7 @@ def test_cli_builds_same_checkpoint_in_a_fresh_process(built, tmp_path):
     # A fresh process also proves the BPE trainer does not depend on per-process hash seeds.
     out = tmp_path / "cli"
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.tools.tiny", str(out)],
+        [sys.executable, "-m", "raypd.tools.tiny", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     assert str(out) in proc.stdout and "parameters" in proc.stdout
     first = built("llama", arch="llama")

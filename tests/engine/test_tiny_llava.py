@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from engine.tools import tiny
+from raypd.tools import tiny
 from tests.engine.images import random_images
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def test_parameter_count_stays_test_sized(built):
 def test_cli_builds_same_checkpoint_in_a_fresh_process(built, tmp_path):
     out = tmp_path / "cli"
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.tools.tiny", str(out), "--arch", "llava", "--text-arch", "qwen2", "--vision",
+        [sys.executable, "-m", "raypd.tools.tiny", str(out), "--arch", "llava", "--text-arch", "qwen2", "--vision",
          "siglip"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     assert str(out) in proc.stdout
     first = built("siglip-qwen2", text_arch="qwen2", vision="siglip")

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from llmapi import LLM, SamplingParams
+from raypd import LLM, SamplingParams
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180  # two worker interpreters import transformers on a busy 2-core host
@@ -23,7 +23,7 @@ PROMPTS = ["héllo wörld, ça va", "plain ascii words"]
 SCRIPT = """\
 import json, sys, time
 print("module level ran", flush=True)
-from llmapi import LLM, SamplingParams
+from raypd import LLM, SamplingParams
 
 llm = LLM(sys.argv[1], block_size=4, num_postprocess_workers=2, post_processor_hook=sys.argv[2] or None)
 print("workers", json.dumps([p.pid for p in llm._postproc._procs]), flush=True)

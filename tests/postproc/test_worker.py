@@ -15,7 +15,7 @@ import zmq
 from transformers import AutoTokenizer
 
 from engine.core.engine import EngineConfig, LLMEngine
-from llmapi import LLM, RequestError, RequestOutput, SamplingParams
+from raypd import LLM, RequestError, RequestOutput, SamplingParams
 from postproc.hooks import PostProcessorHook, Terminate
 from postproc.pipes import new_pipe_key, sign, tcp_address
 from postproc.routing import Lane, PostprocSender

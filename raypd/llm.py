@@ -13,7 +13,7 @@ from engine.multimodal.image_inputs import ImageInputs, PreparedPrompt
 from engine.kv.kv_handle import KVHandle
 from engine.core.loop import EngineLoop
 from llmapi.batch import Prompt, as_prompt_list, split_prompt, wait_all
-from llmapi.detokenized import DetokenizedGenerationResultBase
+from postproc.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import EngineResponse
 from llmapi.result import RequestOutput

@@ -5,8 +5,8 @@ deterministically (same arguments -> byte-identical files), in the exact on-disk
 real checkpoint (config.json, safetensors, tokenizer.json), so the loader, tokenizer and
 detokenizer paths are the ones a real model would take.
 
-    python -m engine.tools.tiny models/tiny-llama [--arch llama] [--size tiny|bench|0.5b|1b] [--seed 0] [--dtype float32]
-    python -m engine.tools.tiny models/tiny-llava --arch llava [--text-arch llama] [--vision clip|siglip]
+    python -m raypd.tools.tiny models/tiny-llama [--arch llama] [--size tiny|bench|0.5b|1b] [--seed 0] [--dtype float32]
+    python -m raypd.tools.tiny models/tiny-llava --arch llava [--text-arch llama] [--vision clip|siglip]
 
 A llava checkpoint is LlavaForConditionalGeneration (a tiny CLIP or SigLIP tower, the MLP projector, one of the text
 architectures) with the `<image>` token and processor files for the PIL backend, as AutoProcessor loads them.
@@ -97,7 +97,7 @@ SIZES = {
     # Qwen2.5-0.5B's layer shapes (use with --arch qwen2): ~0.5B params, 136M of them the tied embedding. The
     # corpus yields a ~52k-token BPE, so the embedding is padded to Qwen2.5's row count, as its checkpoint is.
     "0.5b": TinySize(151_936, 896, 4864, 24, 14, 2, 32768, model_vocab_size=151_936, tie_word_embeddings=True),
-    # Llama-3.2-1B's layer shapes: ~1.2B params, for the GPU check (engine/tools/gpu_check.py).
+    # Llama-3.2-1B's layer shapes: ~1.2B params, for the GPU check (raypd/tools/gpu_check.py).
     "1b": TinySize(128_256, 2048, 8192, 16, 32, 8, 131072, model_vocab_size=128_256, tie_word_embeddings=True),
 }
 
@@ -426,7 +426,7 @@ def num_parameters(model_dir) -> int:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.tiny", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m raypd.tools.tiny", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--arch", default="llama", choices=(*ARCHITECTURES, "llava"))
     parser.add_argument("--size", default="tiny", choices=tuple(SIZES))

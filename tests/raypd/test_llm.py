@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from llmapi import LLM, RequestOutput, SamplingParams
+from raypd import LLM, RequestOutput, SamplingParams
 from tests.pools import wait_pools_full
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from engine.multimodal.encoder_cache import EncoderCacheFull
-from llmapi import LLM, DisaggregatedParams, MultimodalEncoder, RequestError, SamplingParams
+from raypd import LLM, DisaggregatedParams, MultimodalEncoder, RequestError, SamplingParams
 from tests.engine.images import PROMPTS, case, mm, random_images
 from tests.engine.parity import LlavaReference, assert_same_tokens
 from tests.pools import wait_pools_full

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from llmapi import LLM, SamplingParams
+from raypd import LLM, SamplingParams
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m llmapi.demo")
+    parser = argparse.ArgumentParser(prog="python -m raypd.demo")
     parser.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
     parser.add_argument("--prompt", default="The quick brown fox")
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -1,8 +1,8 @@
 """GPU check: what only a CUDA machine can show, in one command of a few minutes.
 
-    python -m engine.tools.gpu_check [--model DIR] [--work DIR] [--budget-s 450]
+    python -m raypd.tools.gpu_check [--model DIR] [--work DIR] [--budget-s 450]
 
-1. builds a ~1.2B random checkpoint with Llama-3.2-1B's layer shapes (engine/tools/tiny.py --size 1b), unless --model;
+1. builds a ~1.2B random checkpoint with Llama-3.2-1B's layer shapes (raypd/tools/tiny.py --size 1b), unless --model;
 2. greedy parity with transformers on CUDA in fp32: the same tokens, except where transformers' own top-2 logits
    are within a near tie;
 3. decode steps (bf16) at a few batch sizes against the weights-read floor: bytes of weights one step reads,
@@ -45,7 +45,7 @@ def log(msg: str) -> None:
 
 
 def build_model(work: pathlib.Path) -> pathlib.Path:
-    from engine.tools.tiny import build_tiny_model, num_parameters
+    from raypd.tools.tiny import build_tiny_model, num_parameters
 
     out = work / "llama-1b-shapes"
     if not (out / "config.json").exists():
@@ -173,7 +173,7 @@ def check_nixl(model_dir: pathlib.Path, device: str, prompt_tokens: int = 2048) 
     VRAM over NIXL, and must then produce the colocated tokens."""
     from engine.config import load_spec
     from engine.core.engine import EngineConfig
-    from llmapi import LLM, DisaggregatedParams, SamplingParams
+    from raypd import LLM, DisaggregatedParams, SamplingParams
 
     prompt_tokens = min(prompt_tokens, load_spec(model_dir).max_position_embeddings - 64)
     first = "cuda:0" if device.startswith("cuda") else device
@@ -204,7 +204,7 @@ def _generation_only(context_result):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.gpu_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m raypd.tools.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint dir; default: build the 1B-shaped model")
     parser.add_argument("--work", default=None, help="where to build it (default: a temporary directory)")
     parser.add_argument("--budget-s", type=float, default=450, help="skip the stages that would start after this")
