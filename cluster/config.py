@@ -153,7 +153,8 @@ class EngineSettings(_Strict):
     kv_lease_s: float = Field(30.0, ge=1, description="How long a prefill engine holds a request's KV blocks for the "
                                                       "decode side before freeing them.")
     kv_transfer_timeout_s: float = Field(10.0, ge=1, description="A decode engine's budget to read one request's "
-                                                                 "prompt KV; past it the request fails, named.")
+                                                                 "prompt KV; past it the decode engine prefills the "
+                                                                 "prompt itself (one with images fails, named).")
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> EngineSettings:

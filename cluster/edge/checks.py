@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from cluster.config import LimitsSettings, RaypdConfig
 from cluster.edge.openai_format import error_body
 from engine.config import load_spec, run_dtype
+from engine.kv.block_manager import request_blocks
 from engine.kv.kv_cache import KVLayout
 from llmapi.sampling_params import SamplingParams
 
@@ -42,10 +43,14 @@ class EdgeLimits:
         spec = load_spec(config.model)
         engine = config.engine_config()
         dtype = run_dtype(engine.dtype, spec.checkpoint_dtype, engine.device)
-        layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.block_size, dtype)
+        layout = KVLayout.of(spec, engine.block_size, dtype)
+        # Every role's engine may serve a request whole (the owner's way out when the other role is lost): the
+        # smallest pool bounds what is admitted.
+        roles = ("decode",) if config.mode == "colocated" else ("prefill", "decode")
+        max_blocks = min(config.engine_config(role=role).pool_blocks(layout) for role in roles)
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-        return cls(spec.vocab_size, spec.max_position_embeddings, engine.pool_blocks(layout), engine.block_size,
-                   max(longest, 1), config.limits)
+        return cls(spec.vocab_size, spec.max_position_embeddings, max_blocks, engine.block_size, max(longest, 1),
+                   config.limits)
 
     def check_text_length(self, text: str, param: str) -> None:
         """Refuses, before tokenizing it, a prompt that cannot fit the context whatever its tokens."""
@@ -66,7 +71,7 @@ class EdgeLimits:
             raise EdgeError(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                                  f"the context length {self.context_length}", param="max_tokens",
                             code="context_length_exceeded")
-        if -(-total // self.block_size) * params.num_candidates > self.max_blocks:
+        if request_blocks(len(ids), params.max_tokens, params.num_candidates, self.block_size) > self.max_blocks:
             raise EdgeError(400, f"the request needs more KV blocks than a worker has ({self.max_blocks})",
                             param="max_tokens")
 

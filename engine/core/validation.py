@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.kv.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager, request_blocks
 from engine.config import ModelSpec
 from engine.core.request import EngineRequest
 from llmapi.sampling_params import SamplingParams
@@ -39,9 +39,10 @@ def check_request(prompt: list[int], params: SamplingParams, spec: ModelSpec, bl
         )
     if any(t >= spec.vocab_size for t in params.logit_bias or {}):
         raise ValueError(f"SamplingParams.logit_bias: token ids out of range [0, {spec.vocab_size})")
-    need = block_manager.blocks_for(len(prompt) + params.max_tokens)
+    need = request_blocks(len(prompt), params.max_tokens, params.num_candidates, block_manager.block_size)
     if need > block_manager.num_blocks:
-        raise ValueError(f"request needs {need} KV blocks, the pool has {block_manager.num_blocks}")
+        raise ValueError(f"request needs {need} KV blocks ({params.num_candidates} candidate(s)), the pool has "
+                         f"{block_manager.num_blocks}")
     if params.num_candidates > max_num_seqs:
         raise ValueError(f"the request has {params.num_candidates} candidates (n / best_of), the engine runs at "
                          f"most {max_num_seqs} sequences at once (max_num_seqs)")

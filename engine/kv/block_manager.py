@@ -17,6 +17,14 @@ import torch
 from engine.core.request import Sequence
 
 
+def request_blocks(num_prompt_tokens: int, max_tokens: int, num_candidates: int, block_size: int) -> int:
+    """The most KV blocks one request holds at once: its prompt's full blocks, shared by its candidates (fork), and
+    each candidate's own blocks for the rest of the prompt and max_tokens. The one admission rule: the edge and the
+    engine both refuse a request that needs more than a pool holds."""
+    own = -(-(num_prompt_tokens % block_size + max_tokens) // block_size)
+    return num_prompt_tokens // block_size + num_candidates * own
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks

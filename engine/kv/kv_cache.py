@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import ModelSpec
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -20,6 +22,12 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
+
+    @classmethod
+    def of(cls, spec: ModelSpec, block_size: int, dtype: str) -> KVLayout:
+        """A model's KV layout at a block size and run dtype: the one rule, used by the engine and by the edge (which
+        sizes its limits from it before any engine exists)."""
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

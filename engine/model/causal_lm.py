@@ -212,8 +212,7 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_sin", (emb.sin() * scaling).to(self.dtype), persistent=False)  # (P, head_dim)
 
     def kv_layout(self, block_size: int) -> KVLayout:
-        s = self.spec
-        return KVLayout(s.num_layers, s.num_kv_heads, s.head_dim, block_size, str(self.dtype).removeprefix("torch."))
+        return KVLayout.of(self.spec, block_size, str(self.dtype).removeprefix("torch."))
 
     def forward(
         self, input_ids, positions, meta: AttentionMetadata, kv_cache: KVCache, row_embeds=None

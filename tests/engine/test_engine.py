@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.core.engine import EngineConfig, LLMEngine
+from engine.kv.block_manager import request_blocks
 from llmapi import SamplingParams
 from tests.engine.parity import Reference, assert_same_tokens
 
@@ -130,6 +131,11 @@ def test_bad_requests_are_refused_with_the_reason(tiny_llama):
         engine.add_request(2, [5] * 2040, SamplingParams(max_tokens=100))
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request(3, [5] * 30, SamplingParams(max_tokens=10))
+    # candidates share the prompt's 3 full blocks and need 2 each of their own: 2 fit the 8-block pool, 3 do not
+    three = SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=0)
+    assert request_blocks(12, 8, 3, 4) == 9 > 8 >= request_blocks(12, 8, 2, 4) == 7
+    with pytest.raises(ValueError, match=r"KV blocks \(3 candidate"):
+        engine.add_request(4, [5] * 12, three)
     assert not engine.has_unfinished_requests()
 
 
