@@ -1,6 +1,6 @@
 """Post-processing benchmark (not a test): `python -m benchmarks.postproc [--model DIR] [--requests 64] [--steps 512]`.
 
-Feeds synthetic EngineResponses (R requests x S steps, one token per request per step, tokens from real text) to:
+Feeds synthetic RequestDeltas (R requests x S steps, one token per request per step, tokens from real text) to:
 - the in-process path: one DetokenizedGenerationResultBase per request, as the embedded LLM's engine thread does;
 - one PostprocWorker inline: unpickle + verify the step's message, process, pickle + sign the outputs (its whole
   per-token CPU cost, no socket), i.e. what one worker process can sustain;
@@ -24,13 +24,13 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from postproc.detokenized import DetokenizedGenerationResultBase
-from llmapi.outputs import EngineResponse, ResultDelta, TokenDelta
+from llmapi.outputs import RequestDelta, TokenDelta
 from llmapi.sampling_params import SamplingParams
 from postproc.pipes import new_pipe_key, sign, tcp_address
 from postproc.pool import PostprocPool
 from postproc.worker import PostprocParams, PostprocWorker
 
-Steps = list[list[EngineResponse]]
+Steps = list[list[RequestDelta]]
 
 
 def token_stream(tokenizer, count: int) -> list[int]:
@@ -46,7 +46,7 @@ def synthetic_steps(tokens: list[int], num_requests: int, num_steps: int, first_
     for s in range(num_steps):
         last = s == num_steps - 1
         steps.append([
-            EngineResponse(first_id + r, (TokenDelta(0, (tokens[(r * num_steps + s) % len(tokens)],), -0.5 * s, None,
+            RequestDelta(first_id + r, (TokenDelta(0, (tokens[(r * num_steps + s) % len(tokens)],), -0.5 * s, None,
                                                      "length" if last else None),), last)
             for r in range(num_requests)
         ])
@@ -70,7 +70,7 @@ def in_process_seconds(tokenizer, steps: Steps, params: SamplingParams) -> float
 
 def as_inputs(steps: Steps, params: SamplingParams) -> list[list[PostprocWorker.Input]]:
     first = [PostprocWorker.Input(rsp, params, PostprocParams(0, (1,)), None, True) for rsp in steps[0]]
-    return [first, *steps[1:]]  # as PostprocSender sends them: later Inputs as bare EngineResponses
+    return [first, *steps[1:]]  # as PostprocSender sends them: later Inputs as bare RequestDeltas
 
 
 def inline_worker_seconds(model: str, steps: Steps, params: SamplingParams) -> float:
@@ -94,7 +94,7 @@ class _Sink:
         self.counter, self.sampling_params, self.prompt_token_ids, self.streaming = counter, params, [1], True
         self.disaggregated_params = None
 
-    def put(self, res: ResultDelta) -> None:
+    def put(self, res: RequestDelta) -> None:
         self.counter.add(res)
 
 
@@ -106,7 +106,7 @@ class _Counter:
         self._target = 0
         self._reached = threading.Event()
 
-    def add(self, res: ResultDelta) -> None:
+    def add(self, res: RequestDelta) -> None:
         self.outputs += 1
         if self.outputs >= self._target:
             self._reached.set()

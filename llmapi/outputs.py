@@ -1,8 +1,6 @@
-"""Plain output types and the two messages that carry a request's progress.
-
-EngineResponse: engine -> post-processing (token ids, one per candidate per step).
-ResultDelta:    post-processing -> request owner (text and tokens added, finish reasons).
-Nothing here imports the engine.
+"""Plain output types, and the one message that carries a request's progress: RequestDelta, from the engine to
+post-processing (token ids, one TokenDelta per candidate per step) and from post-processing to the request's owner (the
+same, with each TokenDelta's text filled in and stop strings applied). Nothing here imports the engine.
 """
 
 from __future__ import annotations
@@ -79,7 +77,8 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """One candidate's progress in one engine step."""
+    """One candidate's progress in one engine step. text: those tokens' text once post-processed (detokenized, stop
+    strings applied: finish_reason "stop" may then end it early); empty as the engine emits it."""
 
     index: int
     token_ids: tuple[int, ...]
@@ -87,6 +86,7 @@ class TokenDelta:
     logprobs: tuple[TokenLogprobs, ...] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,9 @@ class Resume:
 
 
 @dataclass(frozen=True)
-class EngineResponse:
-    """What an engine emits for one request in one step (the `rsp` a post-processor receives).
+class RequestDelta:
+    """A request's progress in one step: what an engine emits (the `rsp` a post-processor receives) and, its deltas'
+    text filled in, what post-processing hands the request's owner (the `res` of a post-processor's Output).
 
     finished: every candidate has finished. handoff: this engine is done with the request but it goes on (a
     context-only request's hand-off). Either way nothing more comes for the request from this engine (`final`).
@@ -152,30 +153,7 @@ class EngineResponse:
     def final(self) -> bool:
         return self.finished or self.handoff is not None or self.error is not None
 
-
-@dataclass(frozen=True)
-class CompletionDelta:
-    """One candidate's change as the request owner applies it."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    cumulative_logprob: float
-    logprobs: tuple[TokenLogprobs, ...] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(frozen=True)
-class ResultDelta:
-    """What the request owner applies to its GenerationResult (the `res` of a post-processor's Output)."""
-
-    request_id: int
-    deltas: tuple[CompletionDelta, ...]
-    finished: bool
-    error: str | None = None
-    queue_time: float | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    context_logits: Any = None
-    disaggregated_params: Any = None  # a context-only result's hand-off, as DisaggregatedParams
-    num_cached_tokens: int | None = None
+    @property
+    def disaggregated_params(self) -> DisaggregatedParams | None:
+        """A context-only request's hand-off as its caller gets it (the reference API's disaggregated_params)."""
+        return self.handoff.context_params() if self.handoff is not None else None

@@ -9,7 +9,7 @@ import time
 from typing import Callable
 
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import CompletionDelta, CompletionOutput, MetricNames, ResultDelta
+from llmapi.outputs import CompletionOutput, MetricNames, RequestDelta, TokenDelta
 from llmapi.sampling_params import SamplingParams
 
 logger = logging.getLogger("raypd.trace")
@@ -20,7 +20,7 @@ class RequestError(RuntimeError):
 
 
 class GenerationResult:
-    """Owner-side state of one request, fed with ResultDeltas from any thread.
+    """Owner-side state of one request, fed with RequestDeltas from any thread.
 
     result(timeout) is a total budget across steps and raises TimeoutError; iterating (sync or async) yields
     self once per applied step, with each output's *_diff covering that step.
@@ -48,7 +48,7 @@ class GenerationResult:
         # A context-only result is done once its hand-off arrives; a whole request goes on after it.
         self._context_only = disaggregated_params is not None and disaggregated_params.request_type == "context_only"
         self._num_cached_tokens: int | None = None
-        self._queue: queue.Queue[ResultDelta | BaseException] = queue.Queue()
+        self._queue: queue.Queue[RequestDelta | BaseException] = queue.Queue()
         self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # an async consumer waiting
         self._candidates = [CompletionOutput(i) for i in range(sampling_params.num_candidates)]
         self._done = False
@@ -62,7 +62,7 @@ class GenerationResult:
         self.metrics: dict[int, dict[str, float]] = {}
 
     # ---- feeding (called by whoever delivers the request's progress) ----
-    def put(self, item: ResultDelta | BaseException) -> None:
+    def put(self, item: RequestDelta | BaseException) -> None:
         """Hands one step (or a failure) to the result; thread-safe."""
         self._queue.put(item)
         waker = self._waker
@@ -185,7 +185,7 @@ class GenerationResult:
             raise TimeoutError(f"request {self._request_id} did not finish within the timeout") from None
         self._handle(item)
 
-    def _handle(self, item: ResultDelta | BaseException) -> None:
+    def _handle(self, item: RequestDelta | BaseException) -> None:
         if isinstance(item, BaseException):
             self._fail(f"{type(item).__name__}: {item}")
         else:
@@ -226,7 +226,7 @@ class GenerationResult:
                 c.finish_reason = "error"
 
     # ---- applying ----
-    def _apply(self, delta: ResultDelta) -> None:
+    def _apply(self, delta: RequestDelta) -> None:
         now = time.monotonic()
         if delta.queue_time is not None:
             self._queue_time = delta.queue_time
@@ -245,7 +245,7 @@ class GenerationResult:
         elif delta.finished or (self._context_only and delta.disaggregated_params is not None):
             self._done = True
 
-    def _apply_candidate(self, d: CompletionDelta, now: float) -> None:
+    def _apply_candidate(self, d: TokenDelta, now: float) -> None:
         out = self._candidates[d.index]
         if d.token_ids:
             times = self._token_times.setdefault(d.index, [now, now])

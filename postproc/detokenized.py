@@ -1,12 +1,14 @@
-"""The post-processing record of one request: EngineResponses (token ids) in, ResultDeltas (text) out.
+"""The post-processing record of one request: RequestDeltas (token ids) in, RequestDeltas with text out.
 
 It runs wherever post-processing runs: in the embedded LLM's loop (no postproc workers) or inside a PostprocWorker.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from postproc.detokenizer import CandidateText
-from llmapi.outputs import CompletionDelta, EngineResponse, ResultDelta, TokenDelta
+from llmapi.outputs import RequestDelta, TokenDelta
 from llmapi.sampling_params import SamplingParams
 
 
@@ -37,7 +39,7 @@ class DetokenizedGenerationResultBase:
         for index, ids in tokens.items():
             self._texts[index].add(list(ids))
 
-    def handle(self, rsp: EngineResponse) -> tuple[ResultDelta | None, list[int]]:
+    def handle(self, rsp: RequestDelta) -> tuple[RequestDelta | None, list[int]]:
         if self.finished:
             return None, []
         deltas, to_abort = [], []
@@ -51,13 +53,9 @@ class DetokenizedGenerationResultBase:
                     to_abort.append(d.index)
             deltas.append(delta)
         self.finished = rsp.finished or all(self._done) or rsp.error is not None
-        result = ResultDelta(
-            rsp.request_id, tuple(deltas), self.finished, rsp.error, rsp.queue_time, rsp.prompt_logprobs,
-            rsp.context_logits, rsp.handoff.context_params() if rsp.handoff else None, rsp.num_cached_tokens,
-        )
-        return result, to_abort
+        return replace(rsp, deltas=tuple(deltas), finished=self.finished), to_abort
 
-    def _candidate(self, d: TokenDelta) -> CompletionDelta:
+    def _candidate(self, d: TokenDelta) -> TokenDelta:
         text = self._texts[d.index]
         diff, stop = text.add(d.token_ids)
         finish, stop_reason = d.finish_reason, d.stop_reason
@@ -65,4 +63,4 @@ class DetokenizedGenerationResultBase:
             finish, stop_reason = "stop", stop
         elif finish is not None:
             diff += text.finish()
-        return CompletionDelta(d.index, diff, d.token_ids, d.cumulative_logprob, d.logprobs, finish, stop_reason)
+        return replace(d, finish_reason=finish, stop_reason=stop_reason, text=diff)

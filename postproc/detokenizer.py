@@ -1,11 +1,12 @@
 """Incremental detokenization and stop strings, one instance per candidate sequence.
 
-Runs wherever token ids become text: the embedded LLM (the request owner) now, postproc workers later, where the
-target is >= 100k tokens/s per worker. For byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, our tiny models) the
-per-token path is a table lookup plus Python's incremental UTF-8 decoder, and it is exact: the concatenated diffs
-equal ``tokenizer.decode(generated_ids)``. Re-decoding a window of ids through the Rust tokenizer per token (what
-``tokenizers.decoders.DecodeStream`` and vLLM do) is exact too, but costs two FFI decodes per token; it remains the
-fallback for every other decoder (Metaspace / SentencePiece).
+Runs wherever token ids become text: the embedded LLM's engine thread (no postproc workers), the postproc workers, and
+the cluster's owner for tokens that come straight from an engine; the target is >= 100k tokens/s per worker. For
+byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, our tiny models) the per-token path is a table lookup plus Python's
+incremental UTF-8 decoder, and it is exact: the concatenated diffs equal ``tokenizer.decode(generated_ids)``.
+Re-decoding a window of ids through the Rust tokenizer per token (what ``tokenizers.decoders.DecodeStream`` and vLLM
+do) is exact too, but costs two FFI decodes per token; it remains the fallback for every other decoder (Metaspace /
+SentencePiece).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
-from llmapi.outputs import CompletionDelta, ResultDelta
+from llmapi.outputs import RequestDelta, TokenDelta
 from llmapi.sampling_params import SamplingParams
 
 
@@ -24,7 +24,7 @@ class Terminate:
     """
 
     reason: str
-    chunk: ResultDelta | None = None
+    chunk: RequestDelta | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.reason, str) or not self.reason:
@@ -32,7 +32,7 @@ class Terminate:
 
 
 class PostProcessorHook(ABC):
-    """Sees each chunk (the ResultDelta of one request in one engine step) after detokenization and stop strings.
+    """Sees each chunk (the RequestDelta of one request in one engine step) after detokenization and stop strings.
 
     A worker serves many requests with one instance, chunk by chunk in arrival order; per-request state may be kept
     keyed by `chunk.request_id` and dropped when `chunk.finished`. The hook runs on the worker's only thread: a slow
@@ -40,7 +40,7 @@ class PostProcessorHook(ABC):
     """
 
     @abstractmethod
-    def process(self, chunk: ResultDelta, sampling_params: SamplingParams) -> ResultDelta | Terminate | None:
+    def process(self, chunk: RequestDelta, sampling_params: SamplingParams) -> RequestDelta | Terminate | None:
         """Decides what the owner gets for this chunk; must not mutate `chunk` (it is frozen; use dataclasses.replace).
 
         Returns the chunk to emit (the same or a modified one), None to suppress it, or Terminate(reason) to end
@@ -70,14 +70,14 @@ class HookState:
     shown_done: set[int] = field(default_factory=set)  # candidates whose finish the owner has been sent
     logprob: dict[int, float] = field(default_factory=dict)  # last cumulative logprob, for deltas a Terminate adds
 
-    def note(self, shown: ResultDelta | None) -> None:
+    def note(self, shown: RequestDelta | None) -> None:
         for d in shown.deltas if shown is not None else ():
             self.logprob[d.index] = d.cumulative_logprob
             if d.finish_reason is not None:
                 self.shown_done.add(d.index)
 
 
-def suppressed(res: ResultDelta) -> ResultDelta | None:
+def suppressed(res: RequestDelta) -> RequestDelta | None:
     """A suppressed chunk: its text and tokens go, its finish reasons and error stay so the owner still sees the end."""
     ends = tuple(replace(d, text="", token_ids=(), logprobs=None) for d in res.deltas if d.finish_reason is not None)
     if not ends and not res.finished and res.error is None:
@@ -85,12 +85,12 @@ def suppressed(res: ResultDelta) -> ResultDelta | None:
     return replace(res, deltas=ends)
 
 
-def terminated(res: ResultDelta, verdict: Terminate, num_candidates: int, state: HookState) -> ResultDelta:
+def terminated(res: RequestDelta, verdict: Terminate, num_candidates: int, state: HookState) -> RequestDelta:
     """The final chunk of a terminated request: every candidate not yet shown finished ends with the reason."""
     chunk = verdict.chunk if verdict.chunk is not None else replace(res, deltas=())
     state.note(chunk)
     given = {d.index: d for d in chunk.deltas}
-    open_ = [given.pop(i, None) or CompletionDelta(i, "", (), state.logprob.get(i, 0.0))
+    open_ = [given.pop(i, None) or TokenDelta(i, (), state.logprob.get(i, 0.0))
              for i in range(num_candidates) if i not in state.shown_done]
     ended = [replace(d, finish_reason="stop", stop_reason=verdict.reason) for d in open_]
     return replace(chunk, deltas=(*given.values(), *ended), finished=True)

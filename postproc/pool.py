@@ -1,13 +1,14 @@
 """PostprocPool: the embedded LLM's postproc workers, N processes on this host, and the lane that feeds its results.
 
 The LLM's engine thread calls `submit` (once the engine accepted a request) and `send` (each step's responses); the
-lane thread puts each Output's ResultDelta into the request's result and hands `should_abort` to `stop_candidates`,
+lane thread puts each Output's RequestDelta into the request's result and hands `should_abort` to `stop_candidates`,
 which the LLM turns into a command for its engine thread (engine.stop_candidate frees the blocks). If a worker dies,
 every open request fails with its name and is aborted in the engine (`abort`), and later ones fail at once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -19,13 +20,14 @@ import time
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import RequestDelta
 from llmapi.result import GenerationResult
 from postproc.pipes import new_pipe_key, tcp_address
-from protocol import PipeAddr
 from postproc.routing import Lane, Output, PostprocSender
+from postproc.sink import ResultSink
 from postproc.worker import PostprocParams
 from postproc.worker_main import decode_addr, encode_addr
+from protocol import PipeAddr
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +95,8 @@ class PostprocPool:
             raise ValueError(f"PostprocPool needs num_workers >= 1, got {num_workers}")
         self._stop_candidates = stop_candidates
         self._abort = abort  # not stop_candidates: a request not yet scheduled has no candidates to stop
-        self._results: dict[int, GenerationResult] = {}
-        self._lock = threading.Lock()  # _results is shared by the engine thread and the lane thread
+        self._sinks: dict[int, ResultSink] = {}
+        self._lock = threading.Lock()  # _sinks is shared by the engine thread and the lane thread
         self._broken: BaseException | None = None
         self._closing = False
         self._lane = Lane(self._on_output, on_tick=self._check_workers, name="raypd-postproc-lane")
@@ -140,26 +142,26 @@ class PostprocPool:
             self._abort(request_id)
             return
         with self._lock:
-            self._results[request_id] = result
+            self._sinks[request_id] = ResultSink(result, functools.partial(self._stop_candidates, request_id))
         params = PostprocParams(lane=0, prompt_token_ids=tuple(result.prompt_token_ids))
         self._sender.submit(request_id, result.sampling_params, params, result.streaming, result.disaggregated_params)
 
-    def send(self, responses: list[EngineResponse]) -> None:
+    def send(self, responses: list[RequestDelta]) -> None:
         if not responses:
             return
         for request_id in self._sender.send(responses):  # their worker is gone: they cannot finish
             with self._lock:
-                result = self._results.pop(request_id, None)
-            if result is not None:
-                result.put(RuntimeError(f"postproc worker {self._sender.worker_of(request_id)} takes no "
+                sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink.result.put(RuntimeError(f"postproc worker {self._sender.worker_of(request_id)} takes no "
                                         "messages: the request cannot finish"))
                 self._abort(request_id)
 
     def fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            results, self._results = list(self._results.values()), {}
-        for result in results:
-            result.put(exc)
+            sinks, self._sinks = list(self._sinks.values()), {}
+        for sink in sinks:
+            sink.result.put(exc)
 
     def close(self) -> None:
         """Stops the workers (Shutdown, then terminate past a deadline) and the lane; after the engine thread ended."""
@@ -183,11 +185,9 @@ class PostprocPool:
     # ---- lane thread ----
     def _on_output(self, out: Output) -> None:
         with self._lock:
-            result = self._results.pop(out.client_id, None) if out.is_final else self._results.get(out.client_id)
-        if out.should_abort:
-            self._stop_candidates(out.client_id, out.should_abort)
-        if result is not None and out.res is not None:
-            result.put(out.res)
+            sink = self._sinks.pop(out.client_id, None) if out.is_final else self._sinks.get(out.client_id)
+        if sink is not None:
+            sink.apply(out.res, out.should_abort)
 
     def _check_workers(self) -> None:
         dead = [p for p in self._procs if p.exitcode is not None]
@@ -196,7 +196,7 @@ class PostprocPool:
         self._broken = RuntimeError(f"postproc worker {dead[0].name} (pid {dead[0].pid}) exited with code "
                                     f"{dead[0].exitcode}: its requests cannot finish")
         with self._lock:
-            open_requests, self._results = self._results, {}
-        for request_id, result in open_requests.items():
-            result.put(self._broken)
+            open_requests, self._sinks = self._sinks, {}
+        for request_id, sink in open_requests.items():
+            sink.result.put(self._broken)
             self._abort(request_id)

@@ -1,6 +1,6 @@
 """The two ends around the postproc workers: what an engine uses to send, what a frontend (request owner) receives on.
 
-PostprocSender (engine side): one PushPipe per worker; each step's EngineResponses go to worker `request_id % N`,
+PostprocSender (engine side): one PushPipe per worker; each step's RequestDeltas go to worker `request_id % N`,
 one message per worker. A request's parameters are handed over once (`submit`) and ride on its first Input.
 Lane (frontend side): a bound PullPipe that workers push this frontend's Outputs to, drained by a thread.
 Request ids must be unique among the requests the workers hold at once, across all frontends.
@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import RequestDelta
 from llmapi.sampling_params import SamplingParams
 from postproc.pipes import PullPipe, PushPipe, new_pipe_key, tcp_address
 from protocol import PipeAddr, postproc_worker
@@ -68,10 +68,10 @@ class PostprocSender:
         """Remembers a request's parameters until its first response is sent. Call once the engine accepted it."""
         self._first[request_id] = (sampling_params, postproc_params, disaggregated_params, streaming)
 
-    def send(self, responses: list[EngineResponse]) -> list[int]:
+    def send(self, responses: list[RequestDelta]) -> list[int]:
         """Sends one step's responses, one message per worker that has any; returns the request ids whose worker
         is down (nothing of theirs was sent)."""
-        by_worker: dict[int, list[Input | EngineResponse]] = {}
+        by_worker: dict[int, list[Input | RequestDelta]] = {}
         for rsp in responses:
             first = self._first.pop(rsp.request_id, None)
             inp = rsp if first is None else Input(rsp, *first)
@@ -85,7 +85,7 @@ class PostprocSender:
                 except TimeoutError as exc:
                     logger.error("postproc worker %d takes no messages (%s): marked down", worker, exc)
                     self._down.add(worker)
-            failed += [i.request_id if type(i) is EngineResponse else i.rsp.request_id for i in inputs]
+            failed += [i.request_id if type(i) is RequestDelta else i.rsp.request_id for i in inputs]
         return failed
 
     def shutdown_workers(self) -> None:

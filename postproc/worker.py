@@ -3,7 +3,7 @@
 Wire protocol, over the signed pipes of postproc.pipes:
 - engine -> worker `client_id % N`: one message per step, a list of `PostprocWorker.Input` (or `Shutdown()`).
   A request's first Input carries its parameters (sampling_params, postproc_params, streaming); a later one may be
-  sent as its bare EngineResponse, which saves a wrapper per token on the wire.
+  sent as its bare RequestDelta, which saves a wrapper per token on the wire.
 - worker -> frontend lane `postproc_params.lane`: one message per step per lane, a list of `PostprocWorker.Output`
   as plain tuples (`Output._make` restores them; routing.Lane does): a NamedTuple pickles through a Python call.
   `Output.should_abort` lists the candidates the engine must stop (stop string, hook): the owner forwards it.
@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 from transformers import AutoTokenizer
 
 from postproc.detokenized import DetokenizedGenerationResultBase
-from llmapi.outputs import EngineResponse, ResultDelta
+from llmapi.outputs import RequestDelta
 from llmapi.sampling_params import SamplingParams
 from postproc.hooks import HookState, Terminate, load_hook, suppressed, terminated
 from postproc.pipes import PullPipe, PushPipe
@@ -70,7 +70,7 @@ class PostprocWorker:
     """
 
     class Input(NamedTuple):
-        rsp: EngineResponse
+        rsp: RequestDelta
         sampling_params: SamplingParams | None = None  # set on a request's first Input only
         postproc_params: PostprocParams | None = None
         disaggregated_params: Any = None
@@ -78,7 +78,7 @@ class PostprocWorker:
 
     class Output(NamedTuple):
         client_id: int
-        res: ResultDelta | None
+        res: RequestDelta | None
         is_final: bool
         metrics: dict[str, float] | None
         request_perf_metrics: Any
@@ -166,11 +166,11 @@ class PostprocWorker:
 
     # ---- one batch ----
     def process(self, inputs: list) -> dict[int, list["PostprocWorker.Output"]]:
-        """Handles one step's Inputs (or bare EngineResponses); returns the Outputs by lane. Public so benchmarks
+        """Handles one step's Inputs (or bare RequestDeltas); returns the Outputs by lane. Public so benchmarks
         can drive it without pipes."""
         by_lane: dict[int, list[PostprocWorker.Output]] = {}
         for item in inputs:
-            rsp = item if type(item) is EngineResponse else item.rsp
+            rsp = item if type(item) is RequestDelta else item.rsp
             req = self._requests.get(rsp.request_id) or self._open(item)
             if req is None:
                 continue
@@ -179,8 +179,8 @@ class PostprocWorker:
                 by_lane.setdefault(req.lane, []).append(out)
         return by_lane
 
-    def _open(self, inp: "PostprocWorker.Input | EngineResponse") -> _Request | None:
-        if type(inp) is EngineResponse or inp.sampling_params is None:
+    def _open(self, inp: "PostprocWorker.Input | RequestDelta") -> _Request | None:
+        if type(inp) is RequestDelta or inp.sampling_params is None:
             return None  # a late response for a request that already ended here (e.g. after a stop string)
         lane = inp.postproc_params.lane if inp.postproc_params else 0
         if lane >= len(self._lane_addrs):
@@ -194,7 +194,7 @@ class PostprocWorker:
         req = self._requests[inp.rsp.request_id] = _Request(record, inp.sampling_params, lane)
         return req
 
-    def _handle(self, req: _Request, rsp: EngineResponse) -> "PostprocWorker.Output | None":
+    def _handle(self, req: _Request, rsp: RequestDelta) -> "PostprocWorker.Output | None":
         ended = False
         for d in rsp.deltas:
             req.num_tokens += len(d.token_ids)
@@ -214,7 +214,7 @@ class PostprocWorker:
             return None
         return self._output(req, rsp.request_id, res, to_abort, ended, rsp.final)
 
-    def _output(self, req: _Request, request_id: int, res: ResultDelta | None, to_abort, ended: bool,
+    def _output(self, req: _Request, request_id: int, res: RequestDelta | None, to_abort, ended: bool,
                 engine_done: bool = False):
         # The engine may be done without the request being so: a context-only request's hand-off.
         final = engine_done or (res is not None and res.finished)
@@ -227,16 +227,16 @@ class PostprocWorker:
     def _fail(self, req: _Request, request_id: int, where: str, exc: Exception) -> "PostprocWorker.Output":
         """Ends the request with the error and asks the engine to stop whatever it still generates for it."""
         logger.warning("request %s failed in %s: %r", request_id, where, exc)
-        res = ResultDelta(request_id, (), finished=True, error=f"{where} raised {type(exc).__name__}: {exc}")
+        res = RequestDelta(request_id, (), finished=True, error=f"{where} raised {type(exc).__name__}: {exc}")
         return self._output(req, request_id, res, self._unfinished(req), True)
 
     # ---- the user hook ----
-    def _run_hook(self, req: _Request, res: ResultDelta, to_abort: list[int]) -> tuple[ResultDelta | None, list[int]]:
+    def _run_hook(self, req: _Request, res: RequestDelta, to_abort: list[int]) -> tuple[RequestDelta | None, list[int]]:
         verdict = self._hook.process(res, req.params)
         if isinstance(verdict, Terminate):
             return terminated(res, verdict, req.params.num_candidates, req.hook_state), self._unfinished(req)
-        if verdict is not None and not isinstance(verdict, ResultDelta):
-            raise TypeError(f"process() returned {type(verdict).__name__}: expected ResultDelta, Terminate or None")
+        if verdict is not None and not isinstance(verdict, RequestDelta):
+            raise TypeError(f"process() returned {type(verdict).__name__}: expected RequestDelta, Terminate or None")
         shown = verdict if verdict is not None else suppressed(res)
         req.hook_state.note(shown)
         return shown, to_abort
@@ -263,11 +263,11 @@ class _FailedRecord:
     def __init__(self, exc: Exception):
         self.exc = exc
 
-    def handle(self, rsp: EngineResponse):
+    def handle(self, rsp: RequestDelta):
         raise self.exc
 
 
-def _finish_reason(res: ResultDelta | None) -> str | None:
+def _finish_reason(res: RequestDelta | None) -> str | None:
     if res is None:
         return None
     if res.error is not None:

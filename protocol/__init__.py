@@ -2,7 +2,7 @@
 
 One call shape for every role: the owner sends a `Submit` (over a Serve call, a plain actor call, or a replica's
 control pipe as a `Start`) and hears back one stream: `Accepted` first, naming the replica's control pipe, then either
-the request's `EngineResponse`s (no route: the responses come on the stream itself) or, when its tokens go through the
+the request's `RequestDelta`s (no route: the responses come on the stream itself) or, when its tokens go through the
 postproc workers (a route), `Done` once the engine is done with it. `Abort` and `StopCandidates` reach the replica that
 holds a request over the control pipe `Accepted` named, whatever happens to the call.
 

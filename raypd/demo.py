@@ -1,4 +1,4 @@
-"""`make serve` for now: runs the embedded engine on a model and prints a completion (streamed)."""
+"""`make demo`: runs the embedded engine on a model and prints a completion (streamed)."""
 
 from __future__ import annotations
 

@@ -15,10 +15,11 @@ from engine.core.loop import EngineLoop
 from llmapi.batch import Prompt, as_prompt_list, split_prompt, wait_all
 from postproc.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import RequestDelta
 from llmapi.result import RequestOutput
 from llmapi.sampling_params import SamplingParams
 from postproc.pool import PostprocPool
+from postproc.sink import ResultSink
 
 
 
@@ -44,7 +45,7 @@ class LLM:
         dtype = str(engine.model.dtype).removeprefix("torch.")
         self.images = ImageInputs(model, dtype, config.device, config.cluster_key, config.kv_transfer_timeout_s)
         self._ids = itertools.count()
-        self._records: dict[int, tuple[DetokenizedGenerationResultBase, RequestOutput]] = {}  # engine thread only
+        self._records: dict[int, tuple[DetokenizedGenerationResultBase, ResultSink]] = {}  # engine thread only
         # N >= 1: detokenization and stop strings run in N worker processes, off the engine thread.
         self._postproc = (
             PostprocPool(model, num_postprocess_workers, self._stop_candidates, self._abort, post_processor_hook)
@@ -135,6 +136,10 @@ class LLM:
     def _abort(self, request_id: int) -> None:
         self.loop.post(lambda engine: engine.abort_request(request_id))
 
+    def _stopper(self, request_id: int):
+        """Stops candidates of a request detokenized on the engine thread: right there."""
+        return lambda indices: [self.engine.stop_candidate(request_id, i) for i in indices]
+
     def _stop_candidates(self, request_id: int, indices: tuple[int, ...]) -> None:
         # A postproc worker's should_abort (stop string, hook): the engine thread stops them and frees their blocks.
         self.loop.post(lambda engine: [engine.stop_candidate(request_id, i) for i in indices])
@@ -151,30 +156,25 @@ class LLM:
         if self._postproc is not None:
             self._postproc.submit(result.request_id, result)
         else:
-            self._records[result.request_id] = (record, result)
+            self._records[result.request_id] = (record, ResultSink(result, self._stopper(result.request_id)))
 
-    def _on_step(self, responses: list[EngineResponse]) -> None:
+    def _on_step(self, responses: list[RequestDelta]) -> None:
         if self._postproc is not None:
             self._postproc.send(responses)
             return
         for rsp in responses:
             self._deliver(rsp)
 
-    def _deliver(self, rsp: EngineResponse) -> None:
-        record, result = self._records.get(rsp.request_id, (None, None))
+    def _deliver(self, rsp: RequestDelta) -> None:
+        record, sink = self._records.get(rsp.request_id, (None, None))
         if record is None:
             return
-        delta, to_stop = record.handle(rsp)
-        for index in to_stop:
-            self.engine.stop_candidate(rsp.request_id, index)
-        if delta is not None:
-            result.put(delta)
-        if record.finished or rsp.final:
+        if sink.apply_response(record, rsp) or rsp.final:
             del self._records[rsp.request_id]
 
     def _fail_all(self, exc: BaseException) -> None:
-        for _, result in self._records.values():
-            result.put(exc)
+        for _, sink in self._records.values():
+            sink.result.put(exc)
         self._records.clear()
         if self._postproc is not None:
             self._postproc.fail_all(exc)

@@ -14,6 +14,7 @@ error, as `Reply` messages to the owner's reply pipe.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import AsyncIterator
@@ -23,7 +24,7 @@ import ray
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.worker import EngineWorker
 from llmapi.disaggregated_params import REQUEST_TYPES, RequestType
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import RequestDelta
 from postproc.pipes import PullPipe, PushPipes, new_pipe_key, tcp_address
 from postproc.routing import PostprocSender
 from postproc.worker import PostprocParams
@@ -62,7 +63,7 @@ class EngineReplica(EngineWorker):
         """The postproc workers' pull pipes this replica sends to, by worker index."""
         return tuple(self._postproc_addrs)
 
-    async def serve(self, submit: Submit) -> AsyncIterator[Accepted | EngineResponse | Done]:
+    async def serve(self, submit: Submit) -> AsyncIterator[Accepted | RequestDelta | Done]:
         """Accepted, then the request's responses (no route) or Done (a route). The first tokens of a
         generation-only request are not repeated (the owner has them from prefill); a context-only request yields
         its final response only: first token per candidate, and a Handoff naming the KV blocks unless every
@@ -70,25 +71,30 @@ class EngineReplica(EngineWorker):
         self._check(submit)
         yield self._accepted()
         if submit.route is None:
-            async for rsp in self._responses(submit):
-                yield rsp
+            async with contextlib.aclosing(self._responses(submit)) as responses:  # closed with this call
+                async for rsp in responses:
+                    yield rsp
             return
         resumed = tuple((c.index, c.token_ids) for c in submit.resume.candidates) if submit.resume else ()
-        async for _ in self._responses(submit, lambda e: self._route(submit, resumed)):
-            pass
+        async with contextlib.aclosing(self._responses(submit, lambda e: self._route(submit, resumed))) as responses:
+            async for _ in responses:
+                pass
         yield Done()
 
-    async def _responses(self, submit: Submit, on_accept=None) -> AsyncIterator[EngineResponse]:
-        stream = self.stream(submit.request_id, submit.prompt_token_ids, submit.params, submit.disaggregated_params,
-                             echo_first_tokens=False, on_accept=on_accept, resume=submit.resume)
+    async def _responses(self, submit: Submit, on_accept=None) -> AsyncIterator[RequestDelta]:
+        stream = contextlib.aclosing(self.stream(
+            submit.request_id, submit.prompt_token_ids, submit.params, submit.disaggregated_params,
+            echo_first_tokens=False, on_accept=on_accept, resume=submit.resume))
         if submit.kind != "context_only":
-            async for rsp in stream:
-                yield rsp
+            async with stream as responses:
+                async for rsp in responses:
+                    yield rsp
             return
         last = None
         try:
-            async for rsp in stream:
-                last = rsp
+            async with stream as responses:
+                async for rsp in responses:
+                    last = rsp
             yield last
         except BaseException:
             if last is not None and last.handoff is not None:
@@ -175,7 +181,7 @@ class EngineReplica(EngineWorker):
         self._replies.close()
 
     # ---- on the engine thread ----
-    def _deliver(self, responses: list[EngineResponse]) -> None:
+    def _deliver(self, responses: list[RequestDelta]) -> None:
         routed = [r for r in responses if r.request_id in self._routed]
         if routed:
             self._send(routed)
@@ -209,7 +215,7 @@ class EngineReplica(EngineWorker):
                 self._direct.pop(rid, None)
                 self.loop.engine.abort_request(rid)
 
-    def _send(self, routed: list[EngineResponse]) -> None:
+    def _send(self, routed: list[RequestDelta]) -> None:
         for request_id in set(self._sender.send(routed)):  # its postproc worker is gone: fail it, keep serving
             self._routed.discard(request_id)
             self.loop.engine.abort_request(request_id)

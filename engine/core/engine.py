@@ -21,7 +21,7 @@ from engine.sampling.sampler import Sampler
 from engine.core.scheduler import Scheduler
 from engine.core.validation import check_images, check_request
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse, Resume
+from llmapi.outputs import RequestDelta, Resume
 from llmapi.sampling_params import SamplingParams
 
 
@@ -83,7 +83,7 @@ class LLMEngine:
                                       Grammars(model_dir, self.spec.vocab_size))
 
     # ---- the loop ----
-    def step(self) -> list[EngineResponse]:
+    def step(self) -> list[RequestDelta]:
         self._poll_kv_connector()
         out = self.scheduler.schedule()
         model_out = self.executor.execute(out)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import RequestDelta
 
 WINDOW_S = 10.0  # samples older than this are forgotten: an idle engine reports no latency, not a stale one
 _MAX_SAMPLES = 1024
@@ -22,7 +22,7 @@ class LatencyWindow:
     def accept(self, request_id: int) -> None:
         self._accepted[request_id] = time.monotonic()
 
-    def observe(self, responses: list[EngineResponse]) -> None:
+    def observe(self, responses: list[RequestDelta]) -> None:
         now = time.monotonic()
         for rsp in responses:
             tokens = max((len(d.token_ids) for d in rsp.deltas), default=0)

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import Callable, TypeVar
 
 from engine.core.engine import LLMEngine
-from llmapi.outputs import EngineResponse
+from llmapi.outputs import RequestDelta
 
 T = TypeVar("T")
 # How long the loop waits for new work (which ends the wait at once) before it steps again when there is nothing to
@@ -25,7 +25,7 @@ _POLL_WAIT_S = 0.001
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, sink: Callable[[list[EngineResponse]], None],
+    def __init__(self, engine: LLMEngine, sink: Callable[[list[RequestDelta]], None],
                  on_failure: Callable[[BaseException], None], name: str = "raypd-engine"):
         self.engine = engine
         self._sink = sink

@@ -1,6 +1,6 @@
 """OutputProcessor: what a step's samples do to the requests. Forks a request's candidates at its first sample,
 appends tokens, applies finish and stop rules, keeps prompt logits, ends context-only requests with a hand-off, and
-builds the EngineResponses. A generation-only request starts here too, from the first tokens the prefill side sampled,
+builds the RequestDeltas. A generation-only request starts here too, from the first tokens the prefill side sampled,
 exactly as if they were its first sample.
 """
 
@@ -16,7 +16,7 @@ from engine.core.request import EngineRequest, Sequence
 from engine.sampling.sampler import Sample, top_logprobs
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.model.executor import ModelOutput
-from llmapi.outputs import EngineResponse, Handoff, Logprob, TokenDelta
+from llmapi.outputs import Handoff, Logprob, RequestDelta, TokenDelta
 
 
 class OutputProcessor:
@@ -29,7 +29,7 @@ class OutputProcessor:
         self.kv_cache = kv_cache
         self.connector = connector
         self.requests = requests  # the engine's live requests; a request leaves it with its final response
-        self._pending: list[EngineResponse] = []
+        self._pending: list[RequestDelta] = []
         self._next_seq_id = 0
 
     # ---- sequences ----
@@ -46,7 +46,7 @@ class OutputProcessor:
         return seq
 
     # ---- one step ----
-    def update(self, out: SchedulerOutput, model_out: ModelOutput) -> list[EngineResponse]:
+    def update(self, out: SchedulerOutput, model_out: ModelOutput) -> list[RequestDelta]:
         """Applies a step's model output; returns every response due (including those of aborts, stops and imports
         since the last step)."""
         for seq, logits in model_out.prompt_logits.items():
@@ -78,17 +78,17 @@ class OutputProcessor:
     def abort(self, req: EngineRequest) -> None:
         deltas = [self._finish(s, "cancelled", None) for s in req.seqs if not s.finished]
         self._leave(req)
-        self._pending.append(EngineResponse(req.request_id, tuple(deltas), finished=True))
+        self._pending.append(RequestDelta(req.request_id, tuple(deltas), finished=True))
 
     def fail(self, req: EngineRequest, why: str) -> None:
         """Ends the request with an error (every candidate's finish_reason 'error'): it cannot go on here."""
         deltas = [self._finish(s, "error", None) for s in req.seqs if not s.finished]
         self._leave(req)
-        self._pending.append(EngineResponse(req.request_id, tuple(deltas), finished=True, error=why))
+        self._pending.append(RequestDelta(req.request_id, tuple(deltas), finished=True, error=why))
 
     def stop(self, req: EngineRequest, seq: Sequence) -> None:
         delta = self._finish(seq, "stop", None)
-        self._pending.append(EngineResponse(req.request_id, (delta,), finished=req.finished))
+        self._pending.append(RequestDelta(req.request_id, (delta,), finished=req.finished))
         if req.finished:
             self._leave(req)
 
@@ -175,7 +175,7 @@ class OutputProcessor:
 
     # ---- responses ----
     def _response(self, req: EngineRequest, deltas: list[TokenDelta], handoff: Handoff | None = None
-                  ) -> EngineResponse:
+                  ) -> RequestDelta:
         first = not req.reported_queue_time
         req.reported_queue_time = True
         finished = req.finished and handoff is None
@@ -184,7 +184,7 @@ class OutputProcessor:
         extra = self._prompt_outputs(req) if first and req.prompt_logits else {}
         queue_time = req.first_scheduled_time - req.arrival_time if first else None
         cached = req.num_cached_tokens if first else None
-        return EngineResponse(req.request_id, tuple(deltas), finished, queue_time=queue_time, handoff=handoff,
+        return RequestDelta(req.request_id, tuple(deltas), finished, queue_time=queue_time, handoff=handoff,
                               num_cached_tokens=cached, **extra)
 
     def _leave(self, req: EngineRequest) -> None:

@@ -14,7 +14,7 @@ from engine.kv.kv_connector import EngineCard
 from engine.core.latency import LatencyWindow
 from engine.core.loop import EngineLoop
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse, Resume
+from llmapi.outputs import RequestDelta, Resume
 from llmapi.sampling_params import SamplingParams
 
 _ACCEPT_TIMEOUT_S = 60.0
@@ -88,7 +88,7 @@ class EngineWorker:
     async def stream(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                      disaggregated_params: DisaggregatedParams | None = None, echo_first_tokens: bool = True,
                      on_accept: Callable[[LLMEngine], None] | None = None, resume: Resume | None = None
-                     ) -> AsyncIterator[EngineResponse]:
+                     ) -> AsyncIterator[RequestDelta]:
         """Submits a request and yields its responses until the final one. Raises the engine's ValueError.
         Embedding handles in disaggregated_params are read (over NIXL, checked) before the engine sees the request.
         on_accept runs on the engine thread right after the engine took the request."""
@@ -134,11 +134,11 @@ class EngineWorker:
         return self.images.text(ids)
 
     # ---- on the engine thread ----
-    def _on_step(self, responses: list[EngineResponse]) -> None:
+    def _on_step(self, responses: list[RequestDelta]) -> None:
         self._latency.observe(responses)
         self._deliver(responses)
 
-    def _deliver(self, responses: list[EngineResponse]) -> None:
+    def _deliver(self, responses: list[RequestDelta]) -> None:
         for rsp in responses:
             stream = self._streams.get(rsp.request_id)
             if stream is not None:

@@ -11,15 +11,15 @@ from transformers import AutoTokenizer
 
 from cluster.routing.local_prefill import LocalPrefill
 from cluster.owner.owner import NotAccepted, RequestOwner
-from llmapi.outputs import EngineResponse, TokenDelta
+from llmapi.outputs import RequestDelta, TokenDelta
 from llmapi.sampling_params import SamplingParams
 from protocol import Accepted
 
 CONTROL = ("tcp://127.0.0.1:9", None)  # never written to: nothing here is aborted
 
 
-def _last_token(request_id: int) -> EngineResponse:
-    return EngineResponse(request_id, (TokenDelta(0, (5,), -0.5, finish_reason="length"),), finished=True)
+def _last_token(request_id: int) -> RequestDelta:
+    return RequestDelta(request_id, (TokenDelta(0, (5,), -0.5, finish_reason="length"),), finished=True)
 
 
 class Roles:

@@ -8,7 +8,7 @@ import pytest
 
 from cluster.owner.lanes import ToLoop
 from cluster.edge.streaming import pieces
-from llmapi.outputs import CompletionDelta, ResultDelta
+from llmapi.outputs import RequestDelta, TokenDelta
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
 from postproc.routing import Output
@@ -22,9 +22,9 @@ def _result(request_id: int, n: int = 1) -> RequestOutput:
     return RequestOutput(request_id, [1, 2, 3], SamplingParams(max_tokens=8, n=n), None, streaming=True)
 
 
-def _step(request_id: int, text: str, finish: str | None = None, index: int = 0) -> ResultDelta:
-    return ResultDelta(request_id, (CompletionDelta(index, text, (len(text),), 0.0, None, finish),),
-                       finished=finish is not None)
+def _step(request_id: int, text: str, finish: str | None = None, index: int = 0) -> RequestDelta:
+    return RequestDelta(request_id, (TokenDelta(index, (len(text),), 0.0, None, finish, text=text),),
+                        finished=finish is not None)
 
 
 def test_outputs_from_another_thread_arrive_in_order_on_the_loop():
@@ -124,6 +124,6 @@ def test_several_results_stream_in_arrival_order_with_their_prompt_index():
 @pytest.mark.parametrize("count", [1, 2])
 def test_a_failed_result_raises_to_the_stream(count):
     results = [_result(i) for i in range(count)]
-    failed = ResultDelta(0, (), finished=True, error="the decode worker was lost")
+    failed = RequestDelta(0, (), finished=True, error="the decode worker was lost")
     with pytest.raises(RequestError, match="decode worker was lost"):
         _collect(results, [(results[0], failed)])
