@@ -148,7 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cluster.serving.app import deploy
     from cluster.serving.directory import Directory
-    from cluster.edge.ingress import DRAINING_KEY
+    from cluster.edge.watch import DRAINING_KEY
 
     # Replica warnings (re-prefills, lease expiries, transfer timeouts, dropped messages) reach this console;
     # Serve's own chatter (access logs, info) does not.
@@ -179,7 +179,7 @@ _APP = "raypd"
 def _drain(directory, grace_s: float) -> None:
     """Stops accepting (every ingress replica answers 503 within a second) and waits, at most grace_s, until no
     request is in flight."""
-    from cluster.edge.ingress import DRAINING_KEY
+    from cluster.edge.watch import DRAINING_KEY
 
     print(f"raypd: stopping: new requests get 503; waiting up to {grace_s:.0f} s for those in flight", flush=True)
     directory.set_flag(DRAINING_KEY + _APP.encode())

@@ -18,7 +18,6 @@ from transformers import AutoTokenizer
 
 from cluster.config import RaypdConfig
 from cluster.owner.direct import DirectStarts
-from cluster.serving.directory import Directory
 from cluster.edge.checks import Admission, EdgeError, EdgeGate, EdgeLimits, Ticket
 from cluster.edge.images import BadImage, EdgeImages
 from cluster.serving.health import health_response
@@ -30,13 +29,12 @@ from cluster.edge.openai_protocol import ChatCompletionRequest, CompletionReques
 from cluster.owner.owner import RequestOwner
 from cluster.serving.roles import ServeRoles
 from cluster.edge.streaming import abort_unfinished, event, failure_events, pieces
+from cluster.edge.watch import DirectoryWatch
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
 
 app = FastAPI(title="raypd", description="OpenAI-compatible endpoints of a disaggregated prefill/decode cluster")
 app.add_middleware(EdgeGate)
-_WATCH_S = 1.0
-DRAINING_KEY = b"draining/"  # + app name, in the replica directory's namespace: set by `raypd serve` on SIGTERM
 
 
 @app.exception_handler(EdgeError)
@@ -71,7 +69,7 @@ class Ingress:
         self.admission = Admission(config.limits)
         app.state.max_body_bytes = int(config.limits.max_body_bytes)  # read by EdgeGate before any parsing
         app.state.admission = self.admission
-        self._local_prefill = LocalPrefill.for_config(config, colocated=prefill is None)  # fed by _look
+        self._local_prefill = LocalPrefill.for_config(config, colocated=prefill is None)  # fed by _watch
         roles = ServeRoles(prefill, decode, encoder, config.router.transport)
         self.owner = RequestOwner(roles, self.tokenizer, self.config.request_timeout_s,
                                   local_prefill=self._local_prefill)
@@ -81,20 +79,18 @@ class Ingress:
             self.owner.direct = DirectStarts(self.owner.control, asyncio.get_event_loop(),
                                              ray.util.get_node_ip_address())
         self.metrics = Metrics()
-        self._roles = [name for name, h in (("prefill", prefill), ("decode", decode)) if h is not None]
+        roles = [name for name, h in (("prefill", prefill), ("decode", decode)) if h is not None]
         replica = serve.get_replica_context().replica_id
-        self._app_name, self._replica_id, self._published = replica.deployment_id.app_name, replica.unique_id, 0
-        self._directory = Directory(self._app_name)
-        self._role_stats: dict[str, dict[str, float]] = {}
-        self._seen_live: set[str] = set()
-        self._watch_roles = asyncio.get_event_loop().create_task(self._watch())
+        self._watch = DirectoryWatch(replica.deployment_id.app_name, replica.unique_id, roles, self.admission,
+                                     self.owner, self._local_prefill, self.problem)
+        self._watch_roles = asyncio.get_event_loop().create_task(self._watch.run())
         self._api_key = api_key
 
     # ---- endpoints ----
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """This replica's own answer. Deployed with cluster.serving.app.deploy, /health reaches cluster.serving.health instead, which
-        answers the same from what every ingress replica publishes, in a process no flood waits in."""
+        """This replica's own answer. Deployed with cluster.serving.app.deploy, /health reaches cluster.serving.health
+        instead, which answers the same from what every ingress replica publishes, in a process no flood waits in."""
         return health_response(self.problem(), self.config.limits.retry_after_s)
 
     def problem(self) -> str | None:
@@ -112,7 +108,7 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        for role, stats in self._role_stats.items():
+        for role, stats in self._watch.role_stats.items():
             self.metrics.set_kv(role, stats)
         counters = dict(self.owner.counters, shed=self.admission.shed, in_flight=self.admission.requests,
                         lane_dropped=self._lanes.lane.dropped if self._lanes else 0)
@@ -263,39 +259,9 @@ class Ingress:
         if not postprocs:
             return None
         loop = asyncio.get_event_loop()
-        lanes = OwnerLanes(postprocs, self.owner.on_output, loop, ray.util.get_node_ip_address())
-        self._watch_lanes = loop.create_task(lanes.watch(self.owner.on_postproc_lost))
+        lanes = OwnerLanes(postprocs, self.owner.waits.on_output, loop, ray.util.get_node_ip_address())
+        self._watch_lanes = loop.create_task(lanes.watch(self.owner.waits.on_postproc_lost))
         return lanes
-
-    async def _watch(self) -> None:
-        """Every second: each role's replicas and stats (from the replica directory), and whether to drain."""
-        while True:
-            try:
-                await asyncio.to_thread(self._look)
-            except Exception:  # the directory is briefly unreachable: keep the last view
-                pass
-            await asyncio.sleep(_WATCH_S)
-
-    def _look(self) -> None:
-        self._role_stats = {role: self._directory.totals(role) for role in self._roles}
-        decode = self._directory.entries("decode") if self._local_prefill or self.owner.direct else []
-        if self._local_prefill is not None:
-            self._local_prefill.update(decode)
-        if self.owner.direct is not None:
-            self.owner.direct.update(decode)
-        self._seen_live.update(role for role, stats in self._role_stats.items() if stats["replicas"])
-        # A role counts as missing once it has been seen and is gone; before its first replica registers, Serve
-        # itself holds requests until one is up.
-        missing = [role for role in self._seen_live if not self._role_stats[role]["replicas"]]
-        self.admission.degraded = f"the {' and '.join(missing)} role has no live replica" if missing else None
-        # Any engine can serve a whole request: only with no replica of any role left is there nothing to serve on.
-        closed = "no prefill or decode replica is live" if len(missing) == len(self._roles) else None
-        if self._directory.flag(DRAINING_KEY + self._app_name.encode()):
-            closed = "the server is shutting down"
-        self.admission.closed = closed
-        self._published += 1
-        self._directory.publish("ingress", self._replica_id, None, {"in_flight": self.admission.requests},
-                                self._published, problem=self.problem())
 
     def __del__(self):
         if getattr(self, "_lanes", None) is not None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Callable
+from typing import Awaitable, Callable
 
 import ray
 
-from protocol import PipeAddr, PostprocRoute
 from postproc.routing import Lane, Output
+from postproc.sink import ResultSink
+from protocol import PipeAddr, PostprocRoute, postproc_worker
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,56 @@ POLL_S = 0.5
 _CALL_S = 2.0
 _MISSES = 3
 _START_S = 60.0
+LANE_GRACE_S = 5.0  # after the engine is done, the final output must come through the postproc worker within this
+
+
+class PostprocLost(RuntimeError):
+    """The postproc worker carrying a request's tokens is gone (or restarted)."""
+
+
+class LaneWaits:
+    """The owner's requests whose tokens come back on its lane, each waiting for its final output. All on the
+    owner's event loop (OwnerLanes hands it each Output there)."""
+
+    def __init__(self):
+        self._waiting: dict[int, tuple[ResultSink, asyncio.Future]] = {}  # engine id -> its sink, final output
+
+    async def wait(self, engine_id: int, sink: ResultSink, call: Awaitable[None], num_workers: int) -> None:
+        """Runs `call` (the replica call feeding the lane) until the request's final output has arrived. Raises what
+        lost the call, or PostprocLost when its postproc worker is lost or the final output does not follow the
+        call's end within LANE_GRACE_S."""
+        final = asyncio.get_running_loop().create_future()
+        self._waiting[engine_id] = (sink, final)
+        task = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait({task, final}, return_when=asyncio.FIRST_COMPLETED)
+            if final.done():
+                final.result()  # raises PostprocLost
+                return
+            task.result()  # raises what lost the call
+            await asyncio.wait_for(asyncio.shield(final), LANE_GRACE_S)
+        except asyncio.TimeoutError:
+            worker = postproc_worker(engine_id, num_workers)
+            raise PostprocLost(f"no final output from postproc worker {worker} within {LANE_GRACE_S} s") from None
+        finally:
+            task.cancel()
+            self._waiting.pop(engine_id, None)
+
+    def on_output(self, out: Output) -> None:
+        """One postproc Output for a request of this owner."""
+        entry = self._waiting.get(out.client_id)
+        if entry is None:
+            return  # a late output of a request resumed since, or gone
+        sink, final = entry
+        sink.apply(out.res, out.should_abort)
+        if out.is_final and not final.done():
+            final.set_result(None)
+
+    def on_postproc_lost(self, worker: int, count: int, why: str) -> None:
+        """Postproc worker `worker` (of `count`) is gone: its requests are resumed without it."""
+        for engine_id, (_, final) in list(self._waiting.items()):
+            if postproc_worker(engine_id, count) == worker and not final.done():
+                final.set_exception(PostprocLost(f"postproc worker {worker} was lost ({why})"))
 
 
 class OwnerLanes:

@@ -16,32 +16,28 @@ import copy
 import itertools
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-from cluster.owner.control import ControlClient
+from cluster.owner.control import ControlClient, Holders
 from cluster.owner.direct import DirectStarts, ReplicaGone
+from cluster.owner.lanes import LaneWaits, PostprocLost
 from cluster.routing.local_prefill import OwnerLoad
-from postproc.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
-from llmapi.outputs import EngineResponse, Resume, ResumedCandidate, TokenDelta
+from llmapi.outputs import RequestDelta, Resume, ResumedCandidate, TokenDelta
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
-from protocol import (Abort, Accepted, Done, PostprocRoute, PostprocUnreachable, StopCandidates, Submit,
-                      postproc_worker)
+from postproc.detokenized import DetokenizedGenerationResultBase
+from postproc.sink import ResultSink
+from protocol import Accepted, Done, PostprocRoute, PostprocUnreachable, Submit
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 4  # calls to decode a request, the first included
 ACCEPT_TIMEOUT_S = 5.0  # a role call that no replica accepts within this counts as that role being down
-LANE_GRACE_S = 5.0  # after the engine is done, the final output must come through the postproc worker within this
-
-
-class PostprocLost(RuntimeError):
-    """The postproc worker carrying a request's tokens is gone (or restarted)."""
 
 
 class NotAccepted(RuntimeError):
@@ -62,7 +58,7 @@ class Roles(Protocol):
         """The embedding handles and content hashes of the request's images (engine.multimodal.processing.ImageItem,
         decoded and hashed by the owner), from an encoder worker it picked."""
 
-    def call(self, role: str, submit: Submit) -> AsyncIterator[Accepted | EngineResponse | Done]:
+    def call(self, role: str, submit: Submit) -> AsyncIterator[Accepted | RequestDelta | Done]:
         """A replica of the role serves the Submit (EngineReplica.serve): Accepted, then the responses, or Done
         when the Submit has a route."""
 
@@ -82,9 +78,10 @@ class _Serving:
     record: DetokenizedGenerationResultBase  # post-processing when tokens come straight from the engine
     engine_id: int  # the request's id on the engines; a resumed request gets a new one
     images: tuple = ()  # the prompt's images (engine.multimodal.processing.ImageItem), placeholders expanded in the prompt
-    holders: dict[str, tuple[tuple, int]] = field(default_factory=dict)  # role -> (control pipe, engine id)
+    holders: Holders | None = None  # the replicas holding it, by role
     serving_role: str = "decode"
     direct: bool = False  # tokens come straight from the engine, not through the postproc workers
+    sink: ResultSink | None = None  # where its output lands; stops go to the replica serving it
 
 
 class RequestOwner:
@@ -104,7 +101,7 @@ class RequestOwner:
         self.control = ControlClient()
         self._ids = itertools.count(uuid.uuid4().int >> 80)  # unique across owners that share workers
         self._serving: dict[int, _Serving] = {}  # result id -> state
-        self._via_lane: dict[int, tuple[_Serving, asyncio.Future]] = {}  # engine id -> state, final output
+        self.waits = LaneWaits()  # requests whose tokens come back on the lane (lanes.on_output feeds it)
         self.direct: DirectStarts | None = None
         self.counters = {"resumed": 0, "prefill_lost": 0, "local_prefill": 0, "direct_start": 0}
         self._prefill_backlog = 0  # prompt tokens of this owner's requests waiting at prefill replicas
@@ -134,6 +131,8 @@ class RequestOwner:
         the prompt's images (engine.multimodal.processing.ImageItem), whose placeholders result.prompt_token_ids has expanded."""
         self._loop = asyncio.get_running_loop()
         s = self._serving[result.request_id] = _Serving(result, record, result.request_id, tuple(images))
+        s.holders = Holders(self.control)
+        s.sink = ResultSink(result, lambda indices: s.holders.stop(s.serving_role, indices))
         try:
             await asyncio.wait_for(self._serve(s), self.request_timeout_s)
         except asyncio.TimeoutError:
@@ -152,8 +151,8 @@ class RequestOwner:
             self._loop.call_soon_threadsafe(self.abort, request_id)
             return
         s = self._serving.get(request_id)
-        for addr, engine_id in (s.holders.values() if s else ()):
-            self.control.send(addr, Abort(engine_id))
+        if s is not None:
+            s.holders.abort_all()
 
     # ---- the stages ----
     async def _serve(self, s: _Serving) -> None:
@@ -220,11 +219,11 @@ class RequestOwner:
                 if s.result.aborted():
                     self._deliver(s, _cancelled(s))
                     return
-                taken = s.holders.get(role, (None, None))[1] == s.engine_id
+                taken = s.holders.took(role, s.engine_id)
                 last_error = _lost(role, exc)
                 if isinstance(exc, (PostprocLost, PostprocUnreachable)):
                     s.direct = True  # its postproc path failed: the rest comes straight to this owner
-                resume = self._resume(s)
+                resume = _resume(s, next(self._ids), self._record(s.result))
                 if resume is None:
                     return
                 params = await self._whole(s) if s.images else None
@@ -255,33 +254,23 @@ class RequestOwner:
             raise RequestError(f"the {role} worker ended request {s.result.request_id} without a final response")
 
     async def _via_postproc(self, s: _Serving, role: str, params, resume, route: PostprocRoute) -> None:
-        """The engine's tokens come back on this owner's lane. Done when the final output has arrived; a postproc
-        worker lost meanwhile (on_postproc_lost) stops the call and resumes the request."""
-        final = asyncio.get_running_loop().create_future()
-        self._via_lane[s.engine_id] = (s, final)
+        """The engine's tokens come back on this owner's lane (LaneWaits); a request whose final output did not
+        arrive is released on its replica."""
         submit = _submit(s, params, resume, route)
         stream = self._direct_start(s, role, submit) or self.roles.call(role, submit)
-        call = asyncio.ensure_future(self._follow(s, role, stream))
+        arrived = False
         try:
-            await asyncio.wait({call, final}, return_when=asyncio.FIRST_COMPLETED)
-            if final.done():
-                final.result()  # raises PostprocLost
-                return
-            call.result()  # raises what lost the call
-            await asyncio.wait_for(asyncio.shield(final), LANE_GRACE_S)
-        except asyncio.TimeoutError:
-            worker = postproc_worker(s.engine_id, len(route.lanes))
-            raise PostprocLost(f"no final output from postproc worker {worker} within {LANE_GRACE_S} s") from None
+            await self.waits.wait(s.engine_id, s.sink, self._follow(s, role, stream), len(route.lanes))
+            arrived = True
         finally:
-            call.cancel()
-            self._via_lane.pop(s.engine_id, None)
-            if not final.done() or final.exception() is not None:
-                self._release(s, role)
+            if not arrived:
+                s.holders.release(role, s.engine_id)
 
     def _direct_start(self, s: _Serving, role: str, submit: Submit) -> AsyncIterator[Accepted | Done] | None:
         """The request's first decode call, made straight to a decode replica's pipe while this owner serves
         nothing else (cluster/owner/direct.py); None: call through the roles."""
-        if self.direct is None or role != "decode" or submit.resume is not None or s.images or len(self._serving) != 1:
+        idle = len(self._serving) == 1
+        if self.direct is None or role != "decode" or submit.resume is not None or s.images or not idle:
             return None
         target = self.direct.choose(s.result.prompt_token_ids, s.result.sampling_params.cache_salt)
         if target is None:
@@ -295,52 +284,14 @@ class RequestOwner:
                 self._hold(s, role, item)
 
     # ---- what comes back ----
-    def on_output(self, out) -> None:
-        """One postproc Output for a request of this owner (on the owner's event loop)."""
-        entry = self._via_lane.get(out.client_id)
-        if entry is None:
-            return  # a late output of a request resumed since, or gone
-        s, final = entry
-        if out.res is not None:
-            s.result.put(out.res)
-        if out.is_final and not final.done():
-            final.set_result(None)
-        elif out.should_abort:
-            self._stop(s, out.should_abort)
-
-    def on_postproc_lost(self, worker: int, count: int, why: str) -> None:
-        """Postproc worker `worker` (of `count`) is gone: its requests are resumed without it."""
-        for engine_id, (s, final) in list(self._via_lane.items()):
-            if postproc_worker(engine_id, count) == worker and not final.done():
-                final.set_exception(PostprocLost(f"postproc worker {worker} was lost ({why})"))
-
-    def _deliver(self, s: _Serving, rsp: EngineResponse) -> bool:
+    def _deliver(self, s: _Serving, rsp: RequestDelta) -> bool:
         """Post-processes one response into the result; True once the request is finished."""
-        delta, to_stop = s.record.handle(rsp)
-        if to_stop and not s.record.finished:
-            self._stop(s, to_stop)
-        if delta is not None:
-            s.result.put(delta)
-        return s.record.finished
+        return s.sink.apply_response(s.record, rsp)
 
-    # ---- replicas holding the request ----
     def _hold(self, s: _Serving, role: str, accepted: Accepted) -> None:
-        s.holders[role] = (tuple(accepted.control), s.engine_id)
+        s.holders.hold(role, accepted, s.engine_id, s.result.aborted())
         if role == "decode" and self.direct is not None:
             self.direct.learn(accepted)
-        if s.result.aborted():  # the abort came before the replica was known
-            self.control.send(accepted.control, Abort(s.engine_id))
-
-    def _stop(self, s: _Serving, indices) -> None:
-        holder = s.holders.get(s.serving_role)
-        if holder is not None:
-            self.control.send(holder[0], StopCandidates(holder[1], tuple(indices)))
-
-    def _release(self, s: _Serving, role: str) -> None:
-        """The call ended without the request's end: make sure its replica (if alive) frees it."""
-        holder = s.holders.get(role)
-        if holder is not None and holder[1] == s.engine_id:
-            self.control.send(holder[0], Abort(s.engine_id))
 
     async def _whole(self, s: _Serving) -> DisaggregatedParams:
         """What an engine serving the request whole needs of its images: fresh embedding handles (the encoder's
@@ -349,16 +300,17 @@ class RequestOwner:
         return DisaggregatedParams(multimodal_embedding_handles=mm.multimodal_embedding_handles,
                                    multimodal_hashes=mm.multimodal_hashes)
 
-    def _resume(self, s: _Serving) -> Resume | None:
-        """The request's unfinished candidates as far as this owner has them; a new engine id and record."""
-        outs = [o for o in s.result.candidates if o.finish_reason is None]
-        if not outs:
-            return None
-        s.engine_id = next(self._ids)
-        s.record = self._record(s.result)
-        s.record.prime({o.index: list(o.token_ids) for o in s.result.candidates})
-        return Resume(tuple(ResumedCandidate(o.index, tuple(o.token_ids), o.cumulative_logprob or 0.0)
-                            for o in outs))
+
+
+def _resume(s: _Serving, engine_id: int, record: DetokenizedGenerationResultBase) -> Resume | None:
+    """The request's unfinished candidates as far as this owner has them; it goes on under a new engine id and
+    record."""
+    outs = [o for o in s.result.candidates if o.finish_reason is None]
+    if not outs:
+        return None
+    s.engine_id, s.record = engine_id, record
+    s.record.prime({o.index: list(o.token_ids) for o in s.result.candidates})
+    return Resume(tuple(ResumedCandidate(o.index, tuple(o.token_ids), o.cumulative_logprob or 0.0) for o in outs))
 
 
 def _submit(s: _Serving, params: DisaggregatedParams | None, resume: Resume | None = None,
@@ -407,8 +359,8 @@ def _lost(role: str, exc: BaseException) -> str:
     return f"its {role} worker was lost"
 
 
-def _cancelled(s: _Serving) -> EngineResponse:
+def _cancelled(s: _Serving) -> RequestDelta:
     """The request's end when the owner stops it between calls: every unfinished candidate is cancelled."""
     deltas = tuple(TokenDelta(o.index, (), o.cumulative_logprob or 0.0, finish_reason="cancelled")
                    for o in s.result.candidates if o.finish_reason is None)
-    return EngineResponse(s.result.request_id, deltas, finished=True)
+    return RequestDelta(s.result.request_id, deltas, finished=True)

@@ -3,7 +3,7 @@
 Three reasons, each with its own setting (0 or false: off):
 - little to compute (router.max_local_prefill_tokens): the ingress's directory watch hands it the decode replicas'
   routing states (load, prefix-cache summary) every second, so deciding never waits on the store;
-  cluster/routing_policy.choose_prefill decides from them. The view may be a period old: then a prompt may be
+  cluster.routing.policy.choose_prefill decides from them. The view may be a period old: then a prompt may be
   prefilled remotely that could have been local, or locally with fewer hits than hoped.
 - a backed-up prefill role (router.max_prefill_backlog_tokens): the owner counts the prompt tokens of its own requests
   waiting at prefill replicas for their first token, exact and current; at the threshold a new prompt is prefilled on

@@ -7,7 +7,7 @@ import pytest
 from benchmarks.client import BenchResult, RequestRecord, run_benchmark
 from benchmarks.workload import BenchConfig, make_workload, system_prompt
 
-from tests.cluster.test_bench_client import MODEL, _config, endpoint, server  # noqa: F401 (fixtures)
+from tests.benchmarks.test_client import MODEL, _config, endpoint, server  # noqa: F401 (fixtures)
 
 REPLY = "".join(f" t{i}" for i in range(6))  # what the stand-in server streams for output_len 6
 

@@ -47,7 +47,7 @@ def ray_cluster():
                        timeout=60, capture_output=True)
 
 
-# Rows the fault-injection suite adds (tests/cluster/test_faults.py): (what was done, load, outcome, requests lost).
+# Rows the fault-injection suite adds (tests/cluster/serving/test_faults.py): (what was done, load, outcome, requests lost).
 FAULT_SUMMARY: list[tuple[str, str, str, int]] = []
 
 
@@ -56,7 +56,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     write = terminalreporter.write_line
     write("")
-    write("fault injection (tests/cluster/test_faults.py)")
+    write("fault injection (tests/cluster/serving/test_faults.py)")
     write(f"{'fault / input':<46} | {'load held':<24} | {'outcome':<40} | lost")
     for fault, load, outcome, lost in FAULT_SUMMARY:
         write(f"{fault:<46} | {load:<24} | {outcome:<40} | {lost}")

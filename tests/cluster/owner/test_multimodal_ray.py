@@ -11,7 +11,7 @@ from cluster.serving.launch import start_workers
 from engine.multimodal.encoder import EncoderConfig
 from engine.core.engine import EngineConfig
 from raypd import LLM, SamplingParams
-from tests.cluster.test_disagg_ray import pools_full
+from tests.cluster.owner.test_disagg_ray import pools_full
 from tests.engine.images import PROMPTS, case, mm
 from tests.engine.parity import LlavaReference, assert_same_tokens
 

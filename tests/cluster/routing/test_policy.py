@@ -19,6 +19,7 @@ from cluster.routing.policy import (BITS_PER_KEY, EMPTY, PrefixSummary, ReplicaS
                                     prompt_block_keys, replica_cost, replica_state)
 from engine.core.engine import EngineConfig, LLMEngine
 from llmapi.sampling_params import SamplingParams
+from protocol import Submit
 
 BS = 4
 
@@ -164,7 +165,7 @@ def _replica(name: str, stats: dict | None):
 
 
 def _request(ids: list[int], salt: str | None = None, internal_id: str | None = None):
-    return SimpleNamespace(args=(7, ids, SamplingParams(cache_salt=salt)),
+    return SimpleNamespace(args=(Submit(7, ids, SamplingParams(cache_salt=salt)),),
                            metadata=SimpleNamespace(internal_request_id=internal_id or str(random.random())))
 
 
@@ -242,7 +243,7 @@ def test_least_queued_tokens_router_ranks_by_reported_and_sent_tokens():
     router.initialize_state()
     busy = _replica("a", {"queued_tokens": 900})
     idle = _replica("b", {"queued_tokens": 100})
-    request = SimpleNamespace(args=(7, list(range(1000)), None))
+    request = SimpleNamespace(args=(Submit(7, list(range(1000)), SamplingParams()),))
     assert _route(router, [busy, idle], request) == ["b", "a"]
     # the 1000 prompt tokens just sent count against b until b reports again
     assert _route(router, [busy, idle], request) == ["a", "b"]

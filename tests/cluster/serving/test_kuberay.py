@@ -2,7 +2,7 @@
 raypd's deployment schema, and Ray's translation of a RayCluster into autoscaler node types.
 
 The schema is KubeRay v1.7.0's CRD (ray-operator/config/crd/bases/ray.io_rayservices.yaml, version v1,
-`schema.openAPIV3Schema`, converted to JSON as it is, in tests/cluster/data/). No pip package carries it, and the CRD
+`schema.openAPIV3Schema`, converted to JSON as it is, in tests/cluster/serving/data/). No pip package carries it, and the CRD
 is what the API server validates against, so it is the exact check short of a cluster. The API server also refuses
 fields the schema does not name (kubectl's strict field validation) where a plain JSON-schema check would let a
 misspelt key pass, so the check closes every object the schema lists properties for.
@@ -22,7 +22,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import parse_config
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 MANIFEST = REPO / "configs" / "kuberay" / "rayservice.yaml"
 SCHEMA = pathlib.Path(__file__).parent / "data" / "kuberay-v1.7.0-rayservice-v1.schema.json"
 

@@ -26,7 +26,7 @@ from raypd.tools.tiny import build_tiny_llava
 from raypd import LLM, SamplingParams
 from tests.cluster.procs import processes_in, wait_healthy
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 SERVE_CONFIG = REPO / "configs" / "serve.yaml"
 DASHBOARD = REPO / "configs" / "grafana" / "raypd-dashboard.json"
 START_TIMEOUT_S = 240.0  # a fresh Ray, its dashboard and four replicas, on a shared 2-core host

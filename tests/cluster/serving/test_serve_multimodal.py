@@ -29,7 +29,7 @@ from tests.engine.images import random_images
 
 KEY = "sk-raypd-mm"
 APP = "raypd-mm"
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 MAX_IMAGE_BYTES = 64 * 1024
 
 
