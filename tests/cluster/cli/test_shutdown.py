@@ -20,7 +20,7 @@ import yaml
 from raypd.tools.tiny import build_tiny_llava
 from tests.cluster.procs import processes_in, wait_healthy
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 240.0
 
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 DEMO = [sys.executable, str(REPO / "scripts" / "cluster_demo")]
 DEMO_TIMEOUT_S = 900  # measured ~110 s (README); a fresh machine first installs sshd and rsync with apt-get
 NODES_TIMEOUT_S = 300

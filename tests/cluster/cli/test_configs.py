@@ -18,7 +18,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from cluster.cli import main
 from cluster.config import ConfigError, RaypdConfig, load_config
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 SERVE_CONFIGS = ("local", "multinode")
 CLUSTER_FILES = ("aws", "gcp", "local")
 CLI_TIMEOUT_S = 120
