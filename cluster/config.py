@@ -382,8 +382,8 @@ class RaypdConfig(_Strict):
         return "vision_config" in json.loads((pathlib.Path(self.model) / "config.json").read_text())
 
     def encoder_config(self, cluster_key: bytes | None = None) -> Any:
-        """The engine.multimodal.encoder.EncoderConfig every encoder replica is built with: the engines' dtype, device and
-        threads (prefill splices the embeddings in the dtype they were made in)."""
+        """The engine.multimodal.encoder.EncoderConfig every encoder replica is built with: the engines' dtype, device
+        and threads (prefill splices the embeddings in the dtype they were made in)."""
         from engine.multimodal.encoder import EncoderConfig
 
         e, m = self.engine, self.multimodal

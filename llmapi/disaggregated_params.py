@@ -15,8 +15,9 @@ class MultimodalEmbeddingHandle:
     """One image's embeddings, made by a MultimodalEncoder and held in its NIXL-registered arena under a lease.
 
     num_tokens, hidden_size and dtype describe the (num_tokens, hidden_size) tensor for the reader's checks; `signed`
-    is what the reader trusts: HMAC-signed JSON (engine/multimodal/embedding_handle.py) naming the encoder's agent, the arena
-    slot (region index) and its generation, the lease and its deadline, the model fingerprint and the content hash.
+    is what the reader trusts: HMAC-signed JSON (engine/multimodal/embedding_handle.py) naming the encoder's agent, the
+    arena slot (region index) and its generation, the lease and its deadline, the model fingerprint and the content
+    hash.
     """
 
     num_tokens: int

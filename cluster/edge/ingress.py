@@ -192,7 +192,8 @@ class Ingress:
 
     # ---- serving ----
     async def _serve(self, prompts, params: SamplingParams, body, fmt: Formatter, images: list | None = None):
-        """images: per prompt, its images (engine.multimodal.processing.ImageItem; the prompt's placeholders expanded)."""
+        """images: per prompt, its images (engine.multimodal.processing.ImageItem; the prompt's placeholders
+        expanded)."""
         images = images or [()] * len(prompts)
         for (_, ids), imgs in zip(prompts, images):
             self.limits.check(ids, params)

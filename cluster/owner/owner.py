@@ -77,7 +77,7 @@ class _Serving:
     result: RequestOutput
     record: DetokenizedGenerationResultBase  # post-processing when tokens come straight from the engine
     engine_id: int  # the request's id on the engines; a resumed request gets a new one
-    images: tuple = ()  # the prompt's images (engine.multimodal.processing.ImageItem), placeholders expanded in the prompt
+    images: tuple = ()  # the prompt's images (engine.multimodal.processing.ImageItem), its placeholders expanded
     holders: Holders | None = None  # the replicas holding it, by role
     serving_role: str = "decode"
     direct: bool = False  # tokens come straight from the engine, not through the postproc workers
@@ -85,7 +85,7 @@ class _Serving:
 
 
 class RequestOwner:
-    """lanes: with them, decoded tokens come back through the postproc workers (detokenized there) to on_output();
+    """lanes: with them, decoded tokens come back through the postproc workers (detokenized there) to its LaneWaits;
     without, the owner post-processes the decode stream itself. local_prefill: conditional disaggregation
     (cluster/routing/local_prefill.py): called with a request and what else this owner serves; True to serve the request
     whole on a decode replica (no KV transfer). direct: an idle owner's way to a decode replica without a Serve
@@ -128,7 +128,8 @@ class RequestOwner:
 
     async def run(self, result: RequestOutput, record: DetokenizedGenerationResultBase, images: tuple = ()) -> None:
         """Serves one request to its end; every failure reaches the result as an error that says where. images:
-        the prompt's images (engine.multimodal.processing.ImageItem), whose placeholders result.prompt_token_ids has expanded."""
+        the prompt's images (engine.multimodal.processing.ImageItem), whose placeholders result.prompt_token_ids has
+        expanded."""
         self._loop = asyncio.get_running_loop()
         s = self._serving[result.request_id] = _Serving(result, record, result.request_id, tuple(images))
         s.holders = Holders(self.control)

@@ -2,8 +2,8 @@
 
 1. Profile: the configured model runs in-process (an engine with the YAML's settings and threads); every step of a
    grid of prefill batches (prompt lengths x batch sizes, chunked past the token budget) and decode batches (batch
-   sizes x context lengths), plus mixed steps, is timed, and a StepModel (cluster/planning/simulator.py) is fitted to them by
-   least squares on relative error.
+   sizes x context lengths), plus mixed steps, is timed, and a StepModel (cluster/planning/simulator.py) is fitted to
+   them by least squares on relative error.
 2. Calibrate (optional, --calibrate RATE RATE...; benchmarks/plan_check.py): runs through the Serve deployment at two
    or more rates, per mode, give what the serving path adds (TTFT overhead and its growth with requests in flight,
    decode step slow-down and cost per sequence); without it the engine alone is simulated.

@@ -3,11 +3,10 @@ arriving at given times (a client with at most `concurrency` in flight, like `ra
 
 Each simulated replica drives the engine's own Scheduler and BlockManager, so batching is the engine's: the token
 budget, max_num_seqs, chunked prefill, preemption and prefix caching. Only the model is replaced: a step takes the
-time a StepModel fitted on this hardware (cluster/planning/plan.py profiles it) says for the step's batch, adjusted on decode
-replicas by the serving path's Overheads; a decode replica's KV import ends `handoff_s` after the prefill's first
-token, and every TTFT gets `ttft_s` more (HTTP, tokenizer, Serve handles, the first token's trip to the client).
-Routing is by load, as the routers see it (prefill: prompt tokens to compute; decode: tokens to generate plus KV
-tokens held).
+time a StepModel fitted on this hardware (cluster/planning/plan.py profiles it) says for the step's batch, adjusted on
+decode replicas by the serving path's Overheads; a decode replica's KV import ends `handoff_s` after the prefill's first
+token, and every TTFT gets `ttft_s` more (HTTP, tokenizer, Serve handles, the first token's trip to the client). Routing
+is by load, as the routers see it (prefill: prompt tokens to compute; decode: tokens to generate plus KV tokens held).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 
 def deploy(config: RaypdConfig, name: str, route_prefix: str = "/", logging_config: dict | None = None) -> None:
-    """Deploys raypd's application and its /health (cluster.serving.health, answered in a replica of its own) side by side,
-    and returns once both run."""
+    """Deploys raypd's application and its /health (cluster.serving.health, answered in a replica of its own) side by
+    side, and returns once both run."""
     health = Health.bind(name, config.limits.retry_after_s)
     serve.run_many([serve.RunTarget(build_from_config(config), name, route_prefix, logging_config),
                     serve.RunTarget(health, f"{name}-health", health_route(route_prefix), logging_config)])

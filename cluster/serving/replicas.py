@@ -117,8 +117,8 @@ class Membership:
 
 
 def routing_stats(worker: EngineWorker, role: str) -> dict:
-    """What the replica tells Serve's request routers (cluster/routing/request_router.py): its queued tokens, and its load
-    and prefix-cache summary (cluster/routing/policy.py)."""
+    """What the replica tells Serve's request routers (cluster/routing/request_router.py): its queued tokens, and its
+    load and prefix-cache summary (cluster/routing/policy.py)."""
     keys, load = worker.cache_snapshot()
     return {"queued_tokens": load["queued_tokens"], **replica_state(role, keys, load).to_stats()}
 

@@ -47,9 +47,9 @@ class ServeRoles:
 
 def _remote(method, *args):
     """method.remote(*args) under a Serve internal request id of its own. A call made while the ingress serves an
-    HTTP request inherits that request's id, and our request routers (cluster/routing/request_router.py) have Serve hand the
-    replica they chose to the pending call with the same id: two calls in flight at once under one id (the prompts of
-    a batch) would leave one of them never routed."""
+    HTTP request inherits that request's id, and our request routers (cluster/routing/request_router.py) have Serve hand
+    the replica they chose to the pending call with the same id: two calls in flight at once under one id (the prompts
+    of a batch) would leave one of them never routed."""
     ctx = serve_context._get_serve_request_context()
     token = serve_context._serve_request_context.set(
         dataclasses.replace(ctx, _internal_request_id=str(uuid.uuid4())))

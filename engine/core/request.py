@@ -103,7 +103,7 @@ class EngineRequest:
     first_scheduled_time: float | None = None
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # True once every candidate has its own sequence
-    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> (vocab,) fp32 logits, when asked for
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> (vocab,) fp32 logits, if asked
     reported_queue_time: bool = False
     cache_salt: str | None = None  # isolates this tenant's prefix-cache entries from everyone else's
     mm_items: tuple[MultimodalItem, ...] = ()

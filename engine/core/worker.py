@@ -58,8 +58,8 @@ class EngineWorker:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaler asks each replica for this; each role's policy weighs its own signals
-        (cluster/planning/autoscaling.py): prefill its queued prompt tokens and TTFT, decode its running sequences, KV use
-        and TPOT."""
+        (cluster/planning/autoscaling.py): prefill its queued prompt tokens and TTFT, decode its running sequences, KV
+        use and TPOT."""
         def read(e: LLMEngine) -> dict[str, float]:
             load, (ttft_ms, tpot_ms) = _load(e), self._latency.means_ms()
             return {"queued_prompt_tokens": load["uncomputed_tokens"], "ttft_ms": ttft_ms,

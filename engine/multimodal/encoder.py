@@ -1,8 +1,9 @@
 """EncoderEngine: the multimodal encoder role's engine. Vision tower + projector, and the arena its embeddings live in.
 
-It takes preprocessed images (engine/multimodal/processing.py's ImageItem: pixels and content hash), serves each from the encoder
-cache or encodes it into a free (or evicted) slot, and returns one signed embedding handle per image, all under one
-lease. Plain Python: the embedded MultimodalEncoder (llmapi) and the encoder role's actor (encoder/worker.py) wrap it.
+It takes preprocessed images (engine/multimodal/processing.py's ImageItem: pixels and content hash), serves each from
+the encoder cache or encodes it into a free (or evicted) slot, and returns one signed embedding handle per image, all
+under one lease. Plain Python: the embedded MultimodalEncoder (llmapi) and the encoder role's actor (encoder/worker.py)
+wrap it.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ class ImageInputs:
         return PreparedPrompt(list(mm.token_ids), items, tuple(embeds))
 
     def from_handles(self, token_ids: Sequence[int], handles: Sequence, hashes: Sequence | None) -> PreparedPrompt:
-        """Reads the embeddings the handles name (checked; see engine/multimodal/embedding_reader.py) and places them at the
-        prompt's placeholders (one per image, or already expanded)."""
+        """Reads the embeddings the handles name (checked; see engine/multimodal/embedding_reader.py) and places them at
+        the prompt's placeholders (one per image, or already expanded)."""
         self._require("multimodal_embedding_handles", "image embeddings")
         reader = self.reader
         opened = reader.open(handles, hashes)

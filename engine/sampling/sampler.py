@@ -36,8 +36,8 @@ class Sample:
 
 
 class Sampler:
-    """kernels: the C++ CPU kernel module (engine.model.kernels.cpu_kernels()); with it, a step whose rows need no logits
-    processing, no top-k/top-p/min-p cut and no top logprobs is sampled in one fused pass per row."""
+    """kernels: the C++ CPU kernel module (engine.model.kernels.cpu_kernels()); with it, a step whose rows need no
+    logits processing, no top-k/top-p/min-p cut and no top logprobs is sampled in one fused pass per row."""
 
     def __init__(self, seed: int = 0, kernels=None):
         self._generator = torch.Generator().manual_seed(seed)  # for unseeded requests

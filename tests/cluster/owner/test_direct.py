@@ -1,6 +1,6 @@
-"""The owner's side of direct starts (cluster/owner/direct.py) over real pipes: which decode replica it picks, what reaches
-the replica's control pipe, how the replica's replies come back as the call's stream, and what fails the start. The
-whole path on Serve, with a decode replica killed under it, is tested in test_faults."""
+"""The owner's side of direct starts (cluster/owner/direct.py) over real pipes: which decode replica it picks, what
+reaches the replica's control pipe, how the replica's replies come back as the call's stream, and what fails the start.
+The whole path on Serve, with a decode replica killed under it, is tested in test_faults."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 raypd's deployment schema, and Ray's translation of a RayCluster into autoscaler node types.
 
 The schema is KubeRay v1.7.0's CRD (ray-operator/config/crd/bases/ray.io_rayservices.yaml, version v1,
-`schema.openAPIV3Schema`, converted to JSON as it is, in tests/cluster/serving/data/). No pip package carries it, and the CRD
-is what the API server validates against, so it is the exact check short of a cluster. The API server also refuses
-fields the schema does not name (kubectl's strict field validation) where a plain JSON-schema check would let a
+`schema.openAPIV3Schema`, converted to JSON as it is, in tests/cluster/serving/data/). No pip package carries it, and
+the CRD is what the API server validates against, so it is the exact check short of a cluster. The API server also
+refuses fields the schema does not name (kubectl's strict field validation) where a plain JSON-schema check would let a
 misspelt key pass, so the check closes every object the schema lists properties for.
 """
 
