@@ -10,6 +10,11 @@ RequestType = Literal["context_and_generation", "context_only", "generation_only
 REQUEST_TYPES: tuple[str, ...] = get_args(RequestType)
 
 
+def request_type(params: DisaggregatedParams | None) -> RequestType:
+    """What a request with these params asks of an engine: no params is a whole request."""
+    return params.request_type if params is not None else "context_and_generation"
+
+
 @dataclass(frozen=True)
 class MultimodalEmbeddingHandle:
     """One image's embeddings, made by a MultimodalEncoder and held in its NIXL-registered arena under a lease.

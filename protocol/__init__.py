@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmapi.disaggregated_params import DisaggregatedParams, RequestType
+from llmapi.disaggregated_params import DisaggregatedParams, RequestType, request_type
 from llmapi.outputs import Resume
 from llmapi.sampling_params import SamplingParams
 
@@ -51,8 +51,7 @@ class Submit:
 
     @property
     def kind(self) -> RequestType:
-        dp = self.disaggregated_params
-        return dp.request_type if dp is not None else "context_and_generation"
+        return request_type(self.disaggregated_params)
 
 
 @dataclass(frozen=True)

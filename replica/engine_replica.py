@@ -75,8 +75,7 @@ class EngineReplica(EngineWorker):
                 async for rsp in responses:
                     yield rsp
             return
-        resumed = tuple((c.index, c.token_ids) for c in submit.resume.candidates) if submit.resume else ()
-        async with contextlib.aclosing(self._responses(submit, lambda e: self._route(submit, resumed))) as responses:
+        async with contextlib.aclosing(self._responses(submit, lambda e: self._route(submit))) as responses:
             async for _ in responses:
                 pass
         yield Done()
@@ -112,9 +111,10 @@ class EngineReplica(EngineWorker):
             raise ValueError(f"route names {len(submit.route.lanes)} lanes for {len(self._postproc_addrs)} "
                              "postproc workers")
 
-    def _route(self, submit: Submit, resumed: tuple) -> None:
+    def _route(self, submit: Submit) -> None:
         """On the engine thread, once the engine took the request: its responses go to its postproc worker."""
         route: PostprocRoute = submit.route
+        resumed = tuple((c.index, c.token_ids) for c in submit.resume.candidates) if submit.resume else ()
         self._sender = self._sender or PostprocSender(self._postproc_addrs)
         params = PostprocParams(route.lane_of(submit.request_id), tuple(submit.prompt_token_ids), resumed)
         self._sender.submit(submit.request_id, submit.params, params, route.streaming, submit.disaggregated_params)
@@ -164,7 +164,7 @@ class EngineReplica(EngineWorker):
                 self._reply(msg.reply, request_id, exc)
                 return
             self._latency.accept(request_id)
-            self._route(submit, ())
+            self._route(submit)
             self._direct[request_id] = msg.reply
             self._reply(msg.reply, request_id, self._accepted())
         self.loop.post(start)

@@ -26,7 +26,7 @@ from cluster.owner.control import ControlClient, Holders
 from cluster.owner.direct import DirectStarts, ReplicaGone
 from cluster.owner.lanes import LaneWaits, PostprocLost
 from cluster.routing.local_prefill import OwnerLoad
-from llmapi.disaggregated_params import DisaggregatedParams
+from llmapi.disaggregated_params import DisaggregatedParams, RequestType
 from llmapi.outputs import RequestDelta, Resume, ResumedCandidate, TokenDelta
 from llmapi.result import RequestError, RequestOutput
 from llmapi.sampling_params import SamplingParams
@@ -186,7 +186,7 @@ class RequestOwner:
         # Images go to an encoder first; only their handles travel on (DESIGN.md, "One request, end to end").
         images = await self.roles.encode(s.result, s.images) if s.images else None
         try:
-            async for item in _accepted_within(self.roles.call("prefill", _submit(s, _context(images))),
+            async for item in _accepted_within(self.roles.call("prefill", _submit(s, _with_images(images, "context_only"))),
                                                ACCEPT_TIMEOUT_S):
                 if isinstance(item, Accepted):
                     self._hold(s, "prefill", item)
@@ -297,9 +297,7 @@ class RequestOwner:
     async def _whole(self, s: _Serving) -> DisaggregatedParams:
         """What an engine serving the request whole needs of its images: fresh embedding handles (the encoder's
         cache makes a repeat cheap)."""
-        mm = await self.roles.encode(s.result, s.images)
-        return DisaggregatedParams(multimodal_embedding_handles=mm.multimodal_embedding_handles,
-                                   multimodal_hashes=mm.multimodal_hashes)
+        return _with_images(await self.roles.encode(s.result, s.images))
 
 
 
@@ -319,11 +317,11 @@ def _submit(s: _Serving, params: DisaggregatedParams | None, resume: Resume | No
     return Submit(s.engine_id, s.result.prompt_token_ids, s.result.sampling_params, params, resume, route)
 
 
-def _context(images: DisaggregatedParams | None) -> DisaggregatedParams:
-    """A prefill call's params: context-only, with the encoder's handles and hashes of the prompt's images."""
-    mm = images or DisaggregatedParams()
-    return DisaggregatedParams(request_type="context_only",
-                               multimodal_embedding_handles=mm.multimodal_embedding_handles,
+def _with_images(mm: DisaggregatedParams | None, request_type: RequestType = "context_and_generation"
+                 ) -> DisaggregatedParams:
+    """A call's params: its request type, with the encoder's handles and hashes of the prompt's images (mm)."""
+    mm = mm or DisaggregatedParams()
+    return DisaggregatedParams(request_type, multimodal_embedding_handles=mm.multimodal_embedding_handles,
                                multimodal_hashes=mm.multimodal_hashes)
 
 

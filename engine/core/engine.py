@@ -20,7 +20,7 @@ from engine.model.runner import ModelRunner
 from engine.sampling.sampler import Sampler
 from engine.core.scheduler import Scheduler
 from engine.core.validation import check_images, check_request
-from llmapi.disaggregated_params import DisaggregatedParams
+from llmapi.disaggregated_params import DisaggregatedParams, request_type
 from llmapi.outputs import RequestDelta, Resume
 from llmapi.sampling_params import SamplingParams
 
@@ -125,7 +125,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already in use")
         check_request(prompt_token_ids, params, self.spec, self.block_manager, self.config.max_num_seqs)
-        kind = disaggregated_params.request_type if disaggregated_params else "context_and_generation"
+        kind = request_type(disaggregated_params)
         req = EngineRequest(request_id, list(prompt_token_ids), params, kind, cache_salt=params.cache_salt,
                             mm_items=tuple(mm_items), mm_embeddings=tuple(mm_embeddings),
                             echo_first_tokens=echo_first_tokens)
