@@ -17,6 +17,7 @@ import yaml
 from pydantic import (BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
+from cluster.edge.tools import TOOL_CALL_PARSERS
 from cluster.planning.autoscaling import DECODE_SIGNALS, PREFILL_SIGNALS
 
 _SLO_SIGNALS = {"prefill": PREFILL_SIGNALS, "decode": DECODE_SIGNALS}
@@ -317,6 +318,10 @@ class RaypdConfig(_Strict):
                                            description="Image limits, URL policy and the encoder cache.")
     router: RouterSettings = Field(default_factory=RouterSettings, description="Replica choice per request.")
     http: HttpSettings = Field(default_factory=HttpSettings, description="The OpenAI-compatible HTTP endpoint.")
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = Field(
+        "hermes", description="How chat replies with tool_choice \"auto\" are read for tool calls: hermes (Hermes "
+                              "and Qwen's `<tool_call>{json}</tool_call>`), or null to refuse \"auto\" (required and "
+                              "named tool choices need no parser).")
     post_processor_hook: str | None = Field(None, description="Import path `module.Class` of a postproc.hooks."
                                             "PostProcessorHook that every postproc worker builds once and runs on "
                                             "every chunk (emit, suppress or terminate); it must import on every node.")

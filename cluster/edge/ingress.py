@@ -28,6 +28,7 @@ from cluster.edge.openai_format import Formatter, error_body
 from cluster.edge.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.owner.owner import RequestOwner
 from cluster.serving.roles import ServeRoles
+from cluster.edge.chat_template import ChatTemplate
 from cluster.edge.streaming import abort_unfinished, event, failure_events, pieces
 from cluster.edge.watch import DirectoryWatch
 from llmapi.result import RequestError, RequestOutput
@@ -45,8 +46,9 @@ async def _edge_error(request: Request, exc: EdgeError) -> JSONResponse:
 @app.exception_handler(RequestValidationError)
 async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg'].removeprefix('Value error, ')}"
-                for e in errors]
+    # a model-level check names its field in its message: no "body: " before it
+    problems = [(f"{'.'.join(str(p) for p in e['loc'][1:])}: " if e["loc"][1:] else "")
+                + e["msg"].removeprefix("Value error, ") for e in errors]
     first = errors[0]["loc"][1:] if errors else ()
     return JSONResponse(error_body("; ".join(problems), "invalid_request_error", ".".join(map(str, first)) or None),
                         status_code=400)
@@ -63,6 +65,7 @@ class Ingress:
     def __init__(self, config: RaypdConfig, prefill, decode, api_key: str | None, postprocs: list, encoder=None):
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self.template = ChatTemplate(self.tokenizer)
         self.limits = EdgeLimits.of(self.config, self.tokenizer)
         # Images are decoded, checked and hashed here, once; only a model with an encoder role takes them.
         self.images = EdgeImages(config.model, config.multimodal) if encoder is not None else None
@@ -122,9 +125,12 @@ class Ingress:
         self.limits.check_count(len(prompts), self.config.limits.max_prompts_per_request, "prompts", "prompt")
         # echo with logprobs: the prompt tokens' logprobs come from the prompt's logits (prompt_logprobs)
         echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params = self._params(body, body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+        # max_tokens 0 (echo only): one token is generated, as every request has a first token, and not returned
+        params = self._params(body, body.max_tokens if body.generates else 1, body.logprobs,
+                              prompt_logprobs=echo_logprobs)
         encoded = [(p, await self._encode(p, "prompt")) if isinstance(p, str) else (None, p) for p in prompts]
-        fmt = Formatter(False, self.config.model_name, self.tokenizer, body.logprobs or 0, echo=body.echo)
+        fmt = Formatter(False, self.config.model_name, self.tokenizer, body.logprobs or 0, echo=body.echo,
+                        generated=body.generates)
         return await self._serve(encoded, params, body, fmt)
 
     @app.post("/v1/chat/completions")
@@ -140,10 +146,16 @@ class Ingress:
                             param=parts[0][0])
         for i, m in enumerate(body.messages):
             self.limits.check_text_length(m.text(), f"messages.{i}.content")
-        messages = [{"role": m.role, "content": m.template_content() if self.images else m.text()}
-                    for m in body.messages]
-        text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                       tokenize=False)
+        tools = body.tool_plan()
+        if tools.tools and not self.template.takes_tools:
+            raise EdgeError(400, f"tools: the chat template of model {self.config.model_name!r} does not render "
+                                 f"tools; this model cannot be given any", param="tools")
+        if tools.mode == "auto" and self.config.tool_call_parser is None:
+            raise EdgeError(400, "tool_choice: \"auto\" needs a tool call parser and this server has none "
+                                 "(tool_call_parser in its config); use \"required\" or a named function",
+                            param="tool_choice")
+        messages = [m.template_message(images=self.images is not None) for m in body.messages]
+        text = await asyncio.to_thread(self.template.render, messages, tools.template_tools())
         ids = await self._encode(text, "messages", add_special_tokens=False)
         images = ()
         if parts:
@@ -151,7 +163,8 @@ class Ingress:
                 ids, images = await self.images.prepare(ids, parts)
             except BadImage as exc:
                 raise EdgeError(400, str(exc), param=exc.param) from None
-        fmt = Formatter(True, self.config.model_name, self.tokenizer, body.top_logprobs or 0)
+        fmt = Formatter(True, self.config.model_name, self.tokenizer, body.top_logprobs or 0, tools=tools,
+                        tool_parser=self.config.tool_call_parser)
         return await self._serve([(text, ids)], params, body, fmt, [images])
 
     # ---- the edge ----

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.edge.tools import Tool, ToolChoice, ToolPlan, check_tools
 from llmapi.sampling_params import MAX_LOGIT_BIAS, GuidedDecodingParams, SamplingParams
 
 
@@ -126,8 +128,11 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            guided_decoding=self.response_format.guided_decoding() if self.response_format else None, **extra,
+            guided_decoding=self.guided_decoding(), **extra,
         )
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        return self.response_format.guided_decoding() if self.response_format else None
 
     @property
     def include_usage(self) -> bool:
@@ -137,10 +142,23 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="A prompt, a token id list, several prompts, or several token id lists (OpenAI's four forms).")
-    max_tokens: int | None = Field(16, ge=1, description="Most tokens to generate per choice.")
+    max_tokens: int | None = Field(16, ge=0, description="Most tokens to generate per choice; 0 (with echo) "
+                                   "generates none: the prompt and, with logprobs, its logprobs (how evaluation "
+                                   "harnesses score a text).")
     logprobs: int | None = Field(None, ge=0, le=5, description="Top log-probabilities per token (0-5).")
     echo: bool = Field(False, description="Prepend the prompt to each choice's text (and, with logprobs, the "
                        "prompt tokens' logprobs).")
+
+    @model_validator(mode="after")
+    def _nothing_needs_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it is only accepted with echo true (the prompt, and "
+                             "its logprobs with logprobs set)")
+        return self
+
+    @property
+    def generates(self) -> bool:
+        return self.max_tokens != 0
 
     @field_validator("prompt")
     @classmethod
@@ -171,26 +189,71 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON object's text.")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"must be a JSON object, got {type(parsed).__name__}")
+        return value
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's calls.")
+    tool_call_id: str | None = Field(None, description="A tool turn: the call it answers.")
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry them, not {self.role!r} ones")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(
-            p.text for p in self.content if isinstance(p, TextPart))
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
     def image_parts(self) -> list[tuple[int, ImagePart]]:
         """(index in content, part) of each image part."""
-        if isinstance(self.content, str):
+        if not isinstance(self.content, list):
             return []
         return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
 
     def template_content(self) -> str | list[dict]:
         """The content as a chat template of an image model takes it: text, or parts with {"type": "image"}."""
-        if isinstance(self.content, str):
-            return self.content
+        if not isinstance(self.content, list):
+            return self.text()
         return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
                 for p in self.content]
+
+    def template_message(self, images: bool) -> dict:
+        """The message as chat templates take it (transformers'): a call's arguments as a dict, as vLLM gives them."""
+        message = {"role": self.role, "content": self.template_content() if images else self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_Sampling):
@@ -198,6 +261,22 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (newer name).")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools), "required" '
+                                           'or {"type": "function", "function": {"name": ...}}.')
+    parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call allowed.")
+
+    @model_validator(mode="after")
+    def _tools(self):
+        check_tools(self.tools, self.tool_choice, self.response_format is not None and
+                    self.response_format.type != "text")
+        return self
+
+    def tool_plan(self) -> ToolPlan:
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        return self.tool_plan().guided_decoding() or super().guided_decoding()
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

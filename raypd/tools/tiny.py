@@ -47,12 +47,40 @@ _SPLIT_REGEX = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
+# Tools as Hermes / Qwen2.5 templates give them: JSON signatures in <tools>, calls asked for in <tool_call> tags.
+TOOLS_PREAMBLE = ("# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are "
+                  "provided with function signatures within <tools></tools> XML tags:\\n<tools>")
+TOOLS_POSTAMBLE = ("\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+                   "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
+                   "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call>")
+
 # Turns end with EOS so that a chat reply stops where generation stops. BOS is written by the
 # template (not by the tokenizer's post-processor) so plain completions carry no hidden token.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '" + TOOLS_PREAMBLE + "' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '" + TOOLS_POSTAMBLE + "' + eos_token + '\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|>\n<tool_response>\n' + message['content'] + '\n</tool_response>' + eos_token + '\n' }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '\n' if (message['content'] or not loop.first) else '' }}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] if call['function']['arguments'] is string "
+    "else call['function']['arguments'] | tojson }}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\n' }}"
+    "{% endif %}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )

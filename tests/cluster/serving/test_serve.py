@@ -12,14 +12,19 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from ray import serve
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ray
 
 from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
+from cluster.edge.chat_template import ChatTemplate
+from cluster.edge.openai_protocol import ChatCompletionRequest
 from cluster.serving.directory import Directory
 from raypd import LLM, GuidedDecodingParams, SamplingParams
+from tests.teach import teach
 
 KEY = "sk-raypd-test"
 
@@ -339,3 +344,127 @@ def test_colocated_mode_serves_the_same_tokens(server, client, tiny_llama):
         assert "prefill" not in serve.status().applications["raypd-colocated"].deployments
     finally:
         serve.delete("raypd-colocated")
+
+
+# ---- tool calling and evaluation harnesses' requests ----
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+TAUGHT_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n'
+                '</tool_call>')
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def _streamed(stream) -> tuple[str, list[tuple[str, dict]], str]:
+    """(content, calls, finish reason) a client accumulating the deltas by tool call index ends with."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for c in choice.delta.tool_calls or []:
+                call = calls.setdefault(c.index, {"id": c.id, "name": "", "arguments": ""})
+                call["name"] += (c.function.name or "") if c.function else ""
+                call["arguments"] += (c.function.arguments or "") if c.function else ""
+            finish = choice.finish_reason or finish
+    assert all(c["id"] for c in calls.values())  # each call's first delta carries its id
+    return content, [(c["name"], json.loads(c["arguments"])) for c in calls.values()], finish
+
+
+def _forced_calls_validate(client, model: str) -> None:
+    """tool_choice required and a named function: calls whose arguments validate, the same streamed and not."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, parallel in (("required", False), ("required", True), (named, True)):
+        kwargs = dict(model=model, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice, temperature=1.0,
+                      seed=4, max_completion_tokens=160, parallel_tool_calls=parallel)
+        whole = client.chat.completions.create(**kwargs)
+        got = whole.choices[0]
+        calls = _calls(got.message)
+        assert got.finish_reason == "tool_calls" and calls, (choice, got)
+        assert len(calls) == 1 or parallel
+        for name, arguments in calls:
+            jsonschema.validate(arguments, SCHEMAS[name])
+        assert choice == "required" or [name for name, _ in calls] == ["get_weather"]
+        assert _streamed(client.chat.completions.create(stream=True, **kwargs)) == (
+            got.message.content or "", calls, "tool_calls")
+
+
+def test_tool_choice_required_and_named_give_calls_that_validate(client):
+    """Disaggregated: the prefill replica samples the first token under the call grammar, decode the rest."""
+    _forced_calls_validate(client, "tiny")
+    with pytest.raises(openai.BadRequestError, match="tools.0.function.parameters"):
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}])
+    with pytest.raises(openai.BadRequestError, match="tool_choice: function 'nope' is not among the tools"):
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    # a conversation that carries a call and its result renders and is served
+    turns = ASK + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    reply = client.chat.completions.create(model="tiny", messages=turns, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.tool_calls is None
+
+
+@pytest.fixture(scope="module")
+def tool_caller(tiny_llama, tmp_path_factory):
+    """tiny_llama taught to answer ASK (with WEATHER and CLOCK offered) by calling get_weather in Hermes format."""
+    body = ChatCompletionRequest(model="x", messages=ASK, tools=[WEATHER, CLOCK])
+    prompt = ChatTemplate(AutoTokenizer.from_pretrained(tiny_llama)).render(
+        [m.template_message(images=False) for m in body.messages], body.tool_plan().template_tools())
+    return teach(tiny_llama, tmp_path_factory.mktemp("tool-caller"), prompt, TAUGHT_REPLY)
+
+
+def test_auto_tool_choice_parses_the_models_calls_colocated(server, tool_caller):
+    config = _config(tool_caller, server[1]).model_copy(update={"mode": "colocated"})
+    serve.run(build_from_config(config), name="raypd-tools", route_prefix="/tools")
+    try:
+        tools = openai.OpenAI(base_url=f"{server[0]}/tools/v1", api_key=KEY, timeout=60, max_retries=0)
+        kwargs = dict(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], temperature=0, max_tokens=150)
+        got = tools.chat.completions.create(**kwargs).choices[0]  # tool_choice "auto": the default with tools
+        expected = [("get_weather", {"city": "Paris", "days": 1})]
+        assert (got.message.content, _calls(got.message), got.finish_reason) == ("Let me check.\n", expected,
+                                                                                 "tool_calls")
+        assert _streamed(tools.chat.completions.create(stream=True, **kwargs)) == ("Let me check.\n", expected,
+                                                                                   "tool_calls")
+        plain = tools.chat.completions.create(tool_choice="none", **kwargs).choices[0]
+        assert plain.message.content == TAUGHT_REPLY and plain.message.tool_calls is None
+        assert plain.finish_reason == "stop"
+        _forced_calls_validate(tools, "tiny")
+    finally:
+        serve.delete("raypd-tools")
+
+
+def test_loglikelihood_requests_as_evaluation_harnesses_send_them(client, reference, tiny_llama):
+    """lm-evaluation-harness's local-completions: token id prompts, echo, logprobs 1, max_tokens 0 (or 1, scored
+    without its last position); the prompt's logprobs must be the model's (transformers' in fp32)."""
+    prompts = [reference.tokenizer.encode(t) for t in ("The cat sat on the mat", "Two plus two is four")]
+    got = client.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True, logprobs=1,
+                                    temperature=0, seed=1234)
+    one = client.completions.create(model="tiny", prompt=prompts, max_tokens=1, echo=True, logprobs=1,
+                                    temperature=0, seed=1234)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    assert got.usage.completion_tokens == 0 and one.usage.completion_tokens == 2
+    for ids, choice, with_one in zip(prompts, got.choices, one.choices):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].log_softmax(-1)  # (T, vocab)
+        expected = [logits[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        lp = choice.logprobs
+        assert choice.text == reference.tokenizer.decode(ids) and choice.finish_reason == "length"
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        assert with_one.logprobs.token_logprobs[:-1] == lp.token_logprobs and len(with_one.logprobs.tokens) == len(ids) + 1
+    stream = client.completions.create(model="tiny", prompt="Echo only", max_tokens=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "Echo only"
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 generates nothing"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)

@@ -135,6 +135,9 @@ def test_text_only_requests_keep_working(client, embedded):
                                      extra_body={"ignore_eos": True})
     ref = embedded.generate("plain words", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert done.choices[0].text == ref.outputs[0].text
+    tool = {"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tools: the chat template .* does not render tools"):
+        client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=2, tools=[tool])
 
 
 def _png_header(width: int, height: int) -> bytes:
