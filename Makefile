@@ -26,7 +26,7 @@ test: $(BIN)/.installed
 
 # The whole disaggregated path on this machine: 1 encoder, 1 prefill, 1 decode, the OpenAI ingress on 127.0.0.1:8000.
 serve: $(BIN)/.installed $(MODEL)/config.json
-	$(BIN)/raypd serve configs/local.yaml
+	$(BIN)/raypd serve configs/local.yaml --model $(MODEL)
 
 # The embedded engine, no Ray: prints a streamed completion.
 demo: $(BIN)/.installed $(MODEL)/config.json

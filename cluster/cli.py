@@ -129,6 +129,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a deployment YAML with Ray Serve (OpenAI endpoints)")
     p.add_argument("config", metavar="CONFIG", help="deployment YAML, e.g. configs/local.yaml")
+    p.add_argument("--model", default=None, help="checkpoint directory to serve instead of the YAML's `model`")
     p.add_argument("--address", default=None, help="Ray cluster to deploy to (e.g. auto); default: start Ray here")
     p.add_argument("--detach", action="store_true", help="deploy and return (needs --address); running it again "
                                                          "with edited replica counts rescales live")
@@ -136,7 +137,7 @@ def _add_serve(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    config = load_config(args.config)  # a bad config fails here, before Ray starts
+    config = load_config(args.config, model=args.model)  # a bad config fails here, before Ray starts
     if args.detach and not args.address:
         raise ConfigError("--detach needs --address: a Ray started here ends when this command does")
     if args.address is None:

@@ -425,8 +425,9 @@ def parse_config(data: Any, source: str = "config") -> RaypdConfig:
         raise ConfigError(_describe(exc, source)) from None
 
 
-def load_config(path: str | os.PathLike) -> RaypdConfig:
-    """Reads and validates one deployment YAML; raises ConfigError (a ValueError) naming every bad field."""
+def load_config(path: str | os.PathLike, **overrides) -> RaypdConfig:
+    """Reads and validates one deployment YAML, top-level keys in `overrides` replacing the file's (None: kept);
+    raises ConfigError (a ValueError) naming every bad field."""
     try:
         text = pathlib.Path(path).read_text()
     except OSError as exc:
@@ -435,7 +436,10 @@ def load_config(path: str | os.PathLike) -> RaypdConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return parse_config({} if data is None else data, str(path))
+    data = {} if data is None else data
+    if isinstance(data, dict):  # anything else is refused by parse_config, naming what it got
+        data = data | {k: v for k, v in overrides.items() if v is not None}
+    return parse_config(data, str(path))
 
 
 def _describe(exc: ValidationError, source: str) -> str:

@@ -54,6 +54,11 @@ def test_local_config_is_the_single_node_default(workdir):
     router = config.router
     assert (router.max_local_prefill_tokens, router.max_prefill_backlog_tokens, router.local_prefill_when_idle) == (
         0, 2048, True)
+    assert config.tool_call_parser == "hermes"
+    (workdir / "models" / "text").mkdir()
+    (workdir / "models" / "text" / "config.json").write_text("{}")
+    other = load_config(REPO / "configs" / "local.yaml", model="models/text")  # `raypd serve --model`
+    assert other.model == str(workdir / "models" / "text") and other.encoder == config.encoder
 
 
 def test_a_role_can_size_its_own_kv_pool(workdir):
