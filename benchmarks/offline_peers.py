@@ -1,10 +1,11 @@
 """Offline throughput against vLLM's CPU backend: the same seeded workloads, the same checkpoints, one system at a time.
 
-    python -m benchmarks.offline_peers [--workloads bench-fp32,bench-bf16,qwen-0.5b-bf16] [--systems raypd,vllm]
+    python -m benchmarks.offline_peers [--workloads bench-fp32,bench-bf16,qwen-0.5b-bf16,qwen3-moe-fp32,mixtral-fp32]
+                                 [--systems raypd,vllm]
                                  [--vllm-python .venv-vllm/bin/python] [--threads 2] [--repeats 1] [--out FILE.md]
 
 `make bench-peers` creates vLLM's venv (.venv-vllm, see ../shared/BENCH.md) and runs this. Each run is a process of
-its own (raypd in this venv, vLLM through benchmarks/vllm_offline.py in its venv), so nothing of one system is warm or
+its own (raypd in this venv, vLLM through scripts/vllm_offline.py in its venv), so nothing of one system is warm or
 loaded when the other runs; each warms up on a small batch first, then `generate`s every request at once (all arrive
 at t=0), greedily, each request's exact output length with EOS ignored. Both use their own defaults otherwise (prefill
 budget, KV pool), at the same thread count. A benchmark, not a test: greedy agreement is a sanity check only, since
@@ -46,6 +47,9 @@ class Checkpoint:
 
 BENCH = Checkpoint("models/tiny-llama-bench", "llama", "bench", "float32")
 QWEN_05B = Checkpoint("models/qwen2.5-0.5b-shapes", "qwen2", "0.5b", "bfloat16")
+# Mixture of experts at the bench size: 8 experts, 2 per token (raypd.tools.tiny's MoE shapes).
+QWEN3_MOE = Checkpoint("models/tiny-qwen3-moe-bench", "qwen3_moe", "bench", "float32")
+MIXTRAL = Checkpoint("models/tiny-mixtral-bench", "mixtral", "bench", "float32")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ WORKLOADS = {w.name: w for w in (
     Workload("bench-fp32", BENCH, "float32", 32, (16, 256), (16, 128)),
     Workload("bench-bf16", BENCH, "bfloat16", 32, (16, 256), (16, 128)),
     Workload("qwen-0.5b-bf16", QWEN_05B, "bfloat16", 16, (64, 512), (16, 128)),
+    Workload("qwen3-moe-fp32", QWEN3_MOE, "float32", 32, (16, 256), (16, 128)),
+    Workload("mixtral-fp32", MIXTRAL, "float32", 32, (16, 256), (16, 128)),
 )}
 
 
@@ -178,7 +184,7 @@ def run_system(system: str, spec: dict, vllm_python: str) -> dict:
             cmd = [sys.executable, "-m", "benchmarks.offline_peers", "--run-raypd", str(spec_path), str(out_path)]
             env = dict(os.environ)
         else:
-            script = pathlib.Path(__file__).with_name("vllm_offline.py")
+            script = pathlib.Path(__file__).parents[1] / "scripts" / "vllm_offline.py"
             cmd = [vllm_python, str(script), str(spec_path), str(out_path)]
             env = vllm_env(system, vllm_python)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)

@@ -17,7 +17,8 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
 # Image + text checkpoints whose text part is one of the above (the vision part is engine/multimodal/vision.py's).
 MULTIMODAL_ARCHITECTURES = {"LlavaForConditionalGeneration"}
 # A LLaVA text_config names its family only by model_type.
@@ -35,6 +36,22 @@ LLAVA_TEXT_PREFIX = "language_model."
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
 # Bytes read from the start of each tensor: cheap, yet two random inits of the same shapes differ.
 _FINGERPRINT_SAMPLE_BYTES = 64
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The sparse MLP of a mixture-of-experts family: a router picks top_k of num_experts per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k probabilities divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
+    weights_in_model_dtype: bool  # Qwen3-MoE casts the routing weights to the model dtype; Mixtral keeps float32
+    sparse_layers: tuple[bool, ...]  # per layer: the sparse block, or the dense MLP (intermediate_size)
+
+    def __post_init__(self):
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in 1..num_experts ({self.num_experts})")
 
 
 @dataclass(frozen=True)
@@ -65,12 +82,15 @@ class ModelSpec:
     rope_attention_scaling: float = 1.0  # cos/sin multiplier (1 unless yarn or longrope)
     # Prepended to every tensor name of the text model: "" for a text checkpoint, "language_model." for LLaVA's.
     weight_prefix: str = ""
+    moe: MoeSpec | None = None  # a mixture-of-experts model's sparse MLP; None: every layer's MLP is dense
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if len(self.sliding_windows) != self.num_layers:
             raise ValueError(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ValueError(f"{len(self.moe.sparse_layers)} MoE layer flags for {self.num_layers} layers")
         if len(self.rope_inv_freq) * 2 != self.head_dim:
             raise ValueError(f"rope covers {2 * len(self.rope_inv_freq)} dims, head_dim is {self.head_dim}")
 
@@ -102,7 +122,7 @@ def load_spec(model_dir) -> ModelSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),  # LLaVA: the top level decides
         **_biases(arch, config),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_windows=_sliding_windows(arch, config),
         max_position_embeddings=config.max_position_embeddings,
         **_special_ids(model_dir, config),
@@ -112,6 +132,7 @@ def load_spec(model_dir) -> ModelSpec:
         rope_inv_freq=tuple(float(f) for f in inv_freq.tolist()),
         rope_attention_scaling=float(scaling),
         weight_prefix=prefix,
+        moe=_moe(arch, config),
     )
 
 
@@ -137,18 +158,34 @@ def _biases(arch: str, config) -> dict:
     # Each family's modeling file hard-codes its own rule (PARITY.md "Biases").
     if arch == "Qwen2ForCausalLM":
         return dict(attention_bias=True, o_bias=False, mlp_bias=False)
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return dict(attention_bias=False, o_bias=False, mlp_bias=False)
     attn = bool(getattr(config, "attention_bias", False))
     mlp = bool(getattr(config, "mlp_bias", False)) if arch == "LlamaForCausalLM" else False
     return dict(attention_bias=attn, o_bias=attn, mlp_bias=mlp)
 
 
+def _moe(arch: str, config) -> MoeSpec | None:
+    """The sparse MLP, read as each family's modeling file reads its config."""
+    n = config.num_hidden_layers
+    if arch == "MixtralForCausalLM":
+        return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+                       renormalize=True, weights_in_model_dtype=False, sparse_layers=(True,) * n)
+    if arch == "Qwen3MoeForCausalLM":
+        dense = set(config.mlp_only_layers or ())
+        sparse = tuple(i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+                       for i in range(n))
+        return MoeSpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                       renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=True, sparse_layers=sparse)
+    return None
+
+
 def _sliding_windows(arch: str, config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if arch == "MistralForCausalLM":
-        return (window,) * n  # Mistral applies it on every layer whenever it is set
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        # these apply it on every layer whenever it is set (Qwen3-MoE's config sets it only with use_sliding_window)
+        return (window,) * n
     layer_types = getattr(config, "layer_types", None)
     if window is None or not layer_types:
         return (None,) * n

@@ -1,4 +1,5 @@
-"""The decoder-only transformer of the Llama family (Llama, Qwen2, Qwen3, Mistral) over a flat batch and a paged cache.
+"""The decoder-only transformer of the Llama family (Llama, Qwen2, Qwen3, Mistral, and the mixture-of-experts
+Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's) over a flat batch and a paged cache.
 
 Every op follows transformers' modeling files in order and dtype (see PARITY.md), so greedy tokens match theirs.
 q/k/v and gate/up projections are fused into one matmul each: fewer kernel launches, the same dot products. The
@@ -14,6 +15,7 @@ from torch import nn
 from engine.model.attention import AttentionMetadata
 from engine.config import ModelSpec, load_spec, run_dtype
 from engine.model.kernels import REFERENCE, TorchOps, apply_rope, select_ops, split_heads
+from engine.model.moe import SparseMoe
 from engine.kv.kv_cache import KVCache, KVLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,7 +146,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.self_attn = Attention(spec, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.mlp = MLP(spec, ops)
+        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
+        self.mlp = SparseMoe(spec, ops) if sparse else MLP(spec, ops)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)

@@ -26,7 +26,9 @@ import transformers
 from safetensors import safe_open
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # text-only; "llava" wraps one of them
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # "llava" wraps one of them
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES  # text-only
 VISION_TOWERS = ("clip", "siglip")
 
 BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
@@ -159,7 +161,12 @@ _CONFIGS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
+# Mixture-of-experts shapes: 8 experts, 2 per token, each expert a quarter of the dense MLP (Qwen3-30B-A3B's ratio
+# of 128 experts at 8 per token, scaled down); Qwen3-MoE's first layer dense, to cover mixed stacks.
+_MOE_EXPERTS, _MOE_TOP_K = 8, 2
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -294,8 +301,13 @@ def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
     kwargs.update(initializer_range=INITIALIZER_RANGE)
     if arch == "mistral":
         kwargs["sliding_window"] = 4096  # explicit: the engine must not rely on HF's default
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=_MOE_EXPERTS, num_experts_per_tok=_MOE_TOP_K)
+    if arch == "qwen3_moe":
+        kwargs.update(num_experts=_MOE_EXPERTS, num_experts_per_tok=_MOE_TOP_K, norm_topk_prob=True,
+                      moe_intermediate_size=size.intermediate_size // 4, mlp_only_layers=[0])
     kwargs.update(overrides)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         # Qwen3's default head_dim (128) ignores hidden_size / num_attention_heads.
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     return kwargs
@@ -460,7 +472,8 @@ def main(argv=None) -> None:
     parser.add_argument("--size", default="tiny", choices=tuple(SIZES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=tuple(_DTYPES))
-    parser.add_argument("--text-arch", default="llama", choices=ARCHITECTURES, help="the text model of a llava")
+    parser.add_argument("--text-arch", default="llama", choices=DENSE_ARCHITECTURES,
+                        help="the text model of a llava")
     parser.add_argument("--vision", default="clip", choices=VISION_TOWERS, help="vision tower of --arch llava")
     args = parser.parse_args(argv)
     llava = dict(text_arch=args.text_arch, vision=args.vision) if args.arch == "llava" else {}

@@ -249,3 +249,23 @@ def test_more_imports_than_seats_wait_in_their_queue(tiny_llama):
     finally:
         ctx.close()
         gen.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_models_hand_off_the_same_tokens_with_decode_side_prefix_hits(model_factory, arch):
+    """A mixture-of-experts model's KV is a dense model's: the hand-off carries it unchanged, greedy and seeded, and a
+    decode replica that already holds the prompt reads only its last, partial block."""
+    model = model_factory(arch)
+    cases = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, n=2, seed=3, ignore_eos=True)]
+    with LLM(model, block_size=4, kv_transfer="nixl") as ctx, LLM(model, block_size=4, kv_transfer="nixl") as gen:
+        block_bytes = gen.engine.kv_cache.layout.block_bytes
+        for k, params in enumerate(cases):
+            prompt = [7 + (i * 37 + k * 101) % 3000 for i in range(30)]  # 7 full blocks + 2 tokens, new per case
+            ref = ctx.generate(prompt, params)
+            for read_blocks in (8, 1):  # the second time, the decode side holds the first 7 blocks
+                before = gen.engine.connector.stats().kv_bytes_read
+                _, g = disaggregated(ctx, gen, prompt, params)
+                assert [o.token_ids for o in g.outputs] == [o.token_ids for o in ref.outputs]
+                assert gen.engine.connector.stats().kv_bytes_read - before == read_blocks * block_bytes
+        wait_pools_full(ctx, gen)

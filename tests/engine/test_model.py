@@ -27,6 +27,11 @@ VARIANTS = {
     "mistral": dict(arch="mistral", sliding_window=8),
     # Windows on some layers only (layers >= max_window_layers), so one step uses two mask sets.
     "qwen2_swa": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    # Mixture of experts: Qwen3-MoE with a dense first layer and renormalized top-k; every other layer sparse and
+    # raw top-k probabilities; Mixtral (always renormalized, float32 routing weights) with a sliding window.
+    "qwen3_moe": dict(arch="qwen3_moe"),
+    "qwen3_moe_step2": dict(arch="qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False),
+    "mixtral": dict(arch="mixtral", sliding_window=8),
     # A non-default rope whose cos/sin are scaled (attention factor != 1).
     "llama_yarn": dict(
         arch="llama",

@@ -1,6 +1,6 @@
 """The vLLM side of the peer benchmark: runs one workload through vLLM's offline `LLM`, in vLLM's own venv.
 
-    .venv-vllm/bin/python benchmarks/vllm_offline.py SPEC.json OUT.json
+    .venv-vllm/bin/python scripts/vllm_offline.py SPEC.json OUT.json
 
 Run by benchmarks.offline_peers as a script. It imports nothing of raypd, only vLLM and the standard library, so it runs
 in the venv that holds vLLM's CPU build (whose pins clash with the project's); it lives outside engine/ because a
