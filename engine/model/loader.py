@@ -19,8 +19,8 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
-# A sparse MLP's stacked experts -> (the checkpoint's block name, its expert projections in stacking order), and
-# where the router lives, per family (on disk both keep transformers 4's one-tensor-per-expert names).
+# A sparse MLP, per family: the checkpoint's block name (the router and experts under it) and each expert's
+# projections behind our fused ones, in stacking order (on disk both keep one tensor per expert and projection).
 _EXPERTS = {
     "Qwen3MoeForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "MixtralForCausalLM": ("block_sparse_moe", {"w13": ("w1", "w3"), "w2": ("w2",)}),
@@ -56,34 +56,15 @@ def load_weights(model: torch.nn.Module, model_dir) -> None:
 
 
 def _targets(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
-    """checkpoint name -> (the tensor it fills, first row, shape): a parameter, or one expert's slice of one."""
     targets = {}
     # named_parameters lists a tied parameter once, under embed_tokens: lm_head.weight is then not expected.
     for ours, param in model.named_parameters():
-        layer, _, leaf = ours.rpartition(".")
-        if leaf in ("w13", "w2"):  # stacked experts: (experts, rows, cols), filled expert by expert
-            for expert in range(param.shape[0]):
-                _add_targets(targets, _expert_sources(layer, leaf, expert, model.spec), param[expert])
-        else:
-            _add_targets(targets, _sources(ours, model.spec), param)
+        row = 0
+        for hf_name, rows in _sources(ours, model.spec):
+            rows = param.shape[0] if rows is None else rows
+            targets[hf_name] = (param, row, (rows, *param.shape[1:]))
+            row += rows
     return targets
-
-
-def _add_targets(targets: dict, sources: list[tuple[str, int | None]], tensor: torch.Tensor) -> None:
-    row = 0
-    for hf_name, rows in sources:
-        rows = tensor.shape[0] if rows is None else rows
-        targets[hf_name] = (tensor, row, (rows, *tensor.shape[1:]))
-        row += rows
-
-
-def _expert_sources(block: str, leaf: str, expert: int, spec: ModelSpec) -> list[tuple[str, int | None]]:
-    """One expert's slice of a stacked parameter (block: "layers.{i}.mlp") -> its checkpoint tensors."""
-    hf_block, parts = _EXPERTS[spec.architecture]
-    layer = block.removesuffix(".mlp")
-    rows = spec.moe.intermediate_size if leaf == "w13" else None
-    return [(f"{spec.weight_prefix}model.{layer}.{hf_block}.experts.{expert}.{part}.weight", rows)
-            for part in parts[leaf]]
 
 
 def _sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
@@ -91,13 +72,25 @@ def _sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
     prefix = spec.weight_prefix
     if ours.startswith("lm_head."):
         return [(prefix + ours, None)]
-    if ours.endswith(".mlp.gate.weight") and spec.moe is not None:  # the router, under the family's block name
-        return [(f"{prefix}model.{ours.replace('.mlp.', f'.{_EXPERTS[spec.architecture][0]}.')}", None)]
+    if spec.moe is not None and (".mlp.gate." in ours or ".mlp.experts." in ours):
+        return _moe_sources(ours, spec)
     for fused, parts in _FUSED.items():
         head, sep, tail = ours.partition(fused)
         if sep:
             return [(f"{prefix}model.{head}{part}{tail}", rows) for part, rows in zip(parts, _split_rows(fused, spec))]
     return [(f"{prefix}model.{ours}", None)]
+
+
+def _moe_sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
+    """The router ("layers.{i}.mlp.gate.weight") or one expert's fused projection ("layers.{i}.mlp.experts.{e}.w13.weight")
+    -> checkpoint tensors under the family's block name."""
+    block, parts = _EXPERTS[spec.architecture]
+    name = f"{spec.weight_prefix}model.{ours.replace('.mlp.', f'.{block}.', 1)}"
+    head, leaf, tail = name.rpartition(".w13." if ".w13." in name else ".w2.")
+    if not leaf:  # the router
+        return [(name, None)]
+    rows = spec.moe.intermediate_size if leaf == ".w13." else None
+    return [(f"{head}.{part}.{tail}", rows) for part in parts[leaf.strip(".")]]
 
 
 def _split_rows(fused: str, spec: ModelSpec) -> tuple[int, ...]:

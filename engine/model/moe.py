@@ -1,7 +1,8 @@
 """The sparse MLP of mixture-of-experts models (Qwen3-MoE, Mixtral): a router picks top_k experts per token; each
 expert is a SiLU-gated MLP. Tokens are grouped by expert, so one step runs one gate/up and one down matmul per expert
 it hit, whatever the number of tokens; the experts' outputs are summed in ascending expert order, as transformers'
-loop does, so fp32 results match its own."""
+loop does, so fp32 results match its own. Each expert's projections are `Linear`s: packed for oneDNN like the dense
+layers' where the CPU runs the dtype there."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from torch import nn
 
 from engine.config import ModelSpec
 from engine.model.kernels import TorchOps
+from engine.model.linear import Linear
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w13 = Linear(hidden_size, 2 * intermediate_size, bias=False)  # gate rows, then up rows
+        self.w2 = Linear(intermediate_size, hidden_size, bias=False)
 
 
 class SparseMoe(nn.Module):
@@ -18,11 +27,9 @@ class SparseMoe(nn.Module):
         super().__init__()
         moe = spec.moe
         self.moe, self.ops = moe, ops
-        self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)  # the router
-        # (experts, 2 * intermediate, hidden): each expert's gate rows then up rows, as one matmul
-        self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, spec.hidden_size))
-        # (experts, hidden, intermediate)
-        self.w2 = nn.Parameter(torch.empty(moe.num_experts, spec.hidden_size, moe.intermediate_size))
+        # the router: nn.Linear, never packed, so its logits are F.linear's as in transformers (they choose experts)
+        self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(spec.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> (weights (T, top_k), experts (T, top_k) long), as the family's router computes them."""
@@ -47,7 +54,8 @@ class SparseMoe(nn.Module):
             pairs = order[start:start + count]  # (count,)
             start += count
             tokens = pairs // self.moe.top_k  # (count,) each token at most once per expert
-            h = self.ops.silu_and_mul(F.linear(x[tokens], self.w13[expert]))  # (count, intermediate)
-            h = F.linear(h, self.w2[expert]) * flat_weights[pairs, None]  # (count, hidden)
+            mlp = self.experts[expert]
+            h = self.ops.silu_and_mul(mlp.w13(x[tokens]))  # (count, intermediate)
+            h = mlp.w2(h) * flat_weights[pairs, None]  # (count, hidden)
             out.index_add_(0, tokens, h.to(out.dtype))
         return out

@@ -13,7 +13,8 @@ from engine.model.attention import AttentionMetadata, SeqSlice
 from engine.config import this_cpu_flags
 from engine.model.kernels import REFERENCE, CpuKernelOps, cpu_kernels, select_ops
 from engine.kv.kv_cache import KVCache, KVLayout
-from engine.model.causal_lm import CausalLM, Linear, can_pack
+from engine.model.causal_lm import CausalLM
+from engine.model.linear import Linear, can_pack
 from raypd.tools.tiny import build_tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16]
