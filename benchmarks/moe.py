@@ -53,8 +53,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"| model | tokens per step | sparse MLPs, ms per step | inside ops | Python and the rest | experts "
-          f"hit per layer |\n|---|---|---|---|---|---|")
+    print("| model | tokens per step | sparse MLPs, ms per step | inside ops | Python and the rest | experts "
+          "hit per layer |\n|---|---|---|---|---|---|")
     for arch in args.arch.split(","):
         model = CausalLM.from_pretrained(CHECKPOINTS[arch].ensure(), dtype="float32")
         for tokens in (int(t) for t in args.tokens.split(",")):

@@ -29,6 +29,7 @@ from cluster.edge.openai_protocol import ChatCompletionRequest, CompletionReques
 from cluster.owner.owner import RequestOwner
 from cluster.serving.roles import ServeRoles
 from cluster.edge.chat_template import ChatTemplate
+from cluster.edge.tools import ToolPlan
 from cluster.edge.streaming import abort_unfinished, event, failure_events, pieces
 from cluster.edge.watch import DirectoryWatch
 from llmapi.result import RequestError, RequestOutput
@@ -146,14 +147,7 @@ class Ingress:
                             param=parts[0][0])
         for i, m in enumerate(body.messages):
             self.limits.check_text_length(m.text(), f"messages.{i}.content")
-        tools = body.tool_plan()
-        if tools.tools and not self.template.takes_tools:
-            raise EdgeError(400, f"tools: the chat template of model {self.config.model_name!r} does not render "
-                                 f"tools; this model cannot be given any", param="tools")
-        if tools.mode == "auto" and self.config.tool_call_parser is None:
-            raise EdgeError(400, "tool_choice: \"auto\" needs a tool call parser and this server has none "
-                                 "(tool_call_parser in its config); use \"required\" or a named function",
-                            param="tool_choice")
+        tools = self._tool_plan(body)
         messages = [m.template_message(images=self.images is not None) for m in body.messages]
         text = await asyncio.to_thread(self.template.render, messages, tools.template_tools())
         ids = await self._encode(text, "messages", add_special_tokens=False)
@@ -168,6 +162,18 @@ class Ingress:
         return await self._serve([(text, ids)], params, body, fmt, [images])
 
     # ---- the edge ----
+    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        """The request's use of tools, refused (400) where this model or server cannot serve it."""
+        tools = body.tool_plan()
+        if tools.tools and not self.template.takes_tools:
+            raise EdgeError(400, f"tools: the chat template of model {self.config.model_name!r} does not render "
+                                 f"tools; this model cannot be given any", param="tools")
+        if tools.mode == "auto" and self.config.tool_call_parser is None:
+            raise EdgeError(400, "tool_choice: \"auto\" needs a tool call parser and this server has none "
+                                 "(tool_call_parser in its config); use \"required\" or a named function",
+                            param="tool_choice")
+        return tools
+
     def _admit_request(self, request: Request, model: str) -> None:
         self._authorize(request)
         self._check_model(model)
