@@ -3,9 +3,9 @@
     python -m benchmarks.moe [--arch qwen3_moe|mixtral] [--tokens 16,512] [--threads 1] [--steps 20]
 
 Builds the bench-size checkpoint (as `make bench-peers` does), then times the sparse MLP of every layer over steps of
-T tokens (a decode batch, a prefill chunk) under torch.profiler: the share of the block's wall time spent inside aten
-ops (matmuls, packed or not, the SiLU-and-mul kernel, index_add, routing) against everything else (the per-expert Python loop, tensor
-bookkeeping). A benchmark, not a test.
+T tokens (a decode batch, a prefill chunk) under torch.profiler: the share of the block's wall time spent inside ops
+(matmuls, packed or not, the SiLU-and-mul kernel, index_add, routing) against everything else (the per-expert Python
+loop, tensor bookkeeping). A benchmark, not a test.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Copies a Hugging Face safetensors checkpoint (one file or shards) into CausalLM's parameters.
 
 Our parameter names are transformers' without the "model." prefix, except the fused projections, each filled from
-several checkpoint tensors stacked along the output dimension. A multimodal checkpoint's text model lives under
-spec.weight_prefix; its other tensors (vision tower, projector) are engine/multimodal/vision.py's and ignored here.
+several checkpoint tensors stacked along the output dimension, and a sparse MLP's, under the family's block name. A
+multimodal checkpoint's text model lives under spec.weight_prefix; its other tensors (vision tower, projector) are engine/multimodal/vision.py's and ignored here.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def _sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
 
 
 def _moe_sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
-    """The router ("layers.{i}.mlp.gate.weight") or one expert's fused projection ("layers.{i}.mlp.experts.{e}.w13.weight")
-    -> checkpoint tensors under the family's block name."""
+    """The router ("layers.{i}.mlp.gate.weight") or one expert's fused projection
+    ("layers.{i}.mlp.experts.{e}.w13.weight") -> checkpoint tensors under the family's block name."""
     block, parts = _EXPERTS[spec.architecture]
     name = f"{spec.weight_prefix}model.{ours.replace('.mlp.', f'.{block}.', 1)}"
     head, leaf, tail = name.rpartition(".w13." if ".w13." in name else ".w2.")
