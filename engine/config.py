@@ -18,7 +18,7 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
 # Image + text checkpoints whose text part is one of the above (the vision part is engine/multimodal/vision.py's).
 MULTIMODAL_ARCHITECTURES = {"LlavaForConditionalGeneration"}
 # A LLaVA text_config names its family only by model_type.
@@ -48,6 +48,8 @@ class MoeSpec:
     renormalize: bool  # the top-k probabilities divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
     weights_in_model_dtype: bool  # Qwen3-MoE casts the routing weights to the model dtype; Mixtral keeps float32
     sparse_layers: tuple[bool, ...]  # per layer: the sparse block, or the dense MLP (intermediate_size)
+    # Qwen2-MoE: a shared expert every token goes through, scaled by sigmoid(shared_expert_gate(x)); None: none
+    shared_intermediate_size: int | None = None
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
@@ -160,6 +162,8 @@ def _biases(arch: str, config) -> dict:
         return dict(attention_bias=True, o_bias=False, mlp_bias=False)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return dict(attention_bias=False, o_bias=False, mlp_bias=False)
+    if arch == "Qwen2MoeForCausalLM":
+        return dict(attention_bias=bool(config.qkv_bias), o_bias=False, mlp_bias=False)
     attn = bool(getattr(config, "attention_bias", False))
     mlp = bool(getattr(config, "mlp_bias", False)) if arch == "LlamaForCausalLM" else False
     return dict(attention_bias=attn, o_bias=attn, mlp_bias=mlp)
@@ -171,12 +175,14 @@ def _moe(arch: str, config) -> MoeSpec | None:
     if arch == "MixtralForCausalLM":
         return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
                        renormalize=True, weights_in_model_dtype=False, sparse_layers=(True,) * n)
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         dense = set(config.mlp_only_layers or ())
         sparse = tuple(i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
                        for i in range(n))
+        shared = config.shared_expert_intermediate_size if arch == "Qwen2MoeForCausalLM" else None
         return MoeSpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                       renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=True, sparse_layers=sparse)
+                       renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=True, sparse_layers=sparse,
+                       shared_intermediate_size=shared)
     return None
 
 

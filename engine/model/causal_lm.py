@@ -1,5 +1,5 @@
 """The decoder-only transformer of the Llama family (Llama, Qwen2, Qwen3, Mistral, and the mixture-of-experts
-Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's) over a flat batch and a paged cache.
+Qwen2-MoE, Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's) over a flat batch and a paged cache.
 
 Every op follows transformers' modeling files in order and dtype (see PARITY.md), so greedy tokens match theirs.
 q/k/v and gate/up projections are fused into one matmul each: fewer kernel launches, the same dot products. The

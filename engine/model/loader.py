@@ -22,6 +22,7 @@ _FUSED = {
 # A sparse MLP, per family: the checkpoint's block name (the router and experts under it) and each expert's
 # projections behind our fused ones, in stacking order (on disk both keep one tensor per expert and projection).
 _EXPERTS = {
+    "Qwen2MoeForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "Qwen3MoeForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "MixtralForCausalLM": ("block_sparse_moe", {"w13": ("w1", "w3"), "w2": ("w2",)}),
 }
@@ -72,7 +73,7 @@ def _sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
     prefix = spec.weight_prefix
     if ours.startswith("lm_head."):
         return [(prefix + ours, None)]
-    if spec.moe is not None and (".mlp.gate." in ours or ".mlp.experts." in ours):
+    if spec.moe is not None and any(f".mlp.{part}." in ours for part in ("gate", "experts", "shared_expert")):
         return _moe_sources(ours, spec)
     for fused, parts in _FUSED.items():
         head, sep, tail = ours.partition(fused)
@@ -83,13 +84,15 @@ def _sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
 
 def _moe_sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
     """The router ("layers.{i}.mlp.gate.weight") or one expert's fused projection
-    ("layers.{i}.mlp.experts.{e}.w13.weight") -> checkpoint tensors under the family's block name."""
+    ("layers.{i}.mlp.experts.{e}.w13.weight", "layers.{i}.mlp.shared_expert.w2.weight") -> checkpoint tensors under the
+    family's block name."""
     block, parts = _EXPERTS[spec.architecture]
     name = f"{spec.weight_prefix}model.{ours.replace('.mlp.', f'.{block}.', 1)}"
     head, leaf, tail = name.rpartition(".w13." if ".w13." in name else ".w2.")
     if not leaf:  # the router
         return [(name, None)]
-    rows = spec.moe.intermediate_size if leaf == ".w13." else None
+    width = spec.moe.shared_intermediate_size if ".shared_expert." in name else spec.moe.intermediate_size
+    rows = width if leaf == ".w13." else None
     return [(f"{head}.{part}.{tail}", rows) for part in parts[leaf.strip(".")]]
 
 

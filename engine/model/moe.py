@@ -1,5 +1,5 @@
-"""The sparse MLP of mixture-of-experts models (Qwen3-MoE, Mixtral): a router picks top_k experts per token; each
-expert is a SiLU-gated MLP. Tokens are grouped by expert, so one step runs one gate/up and one down matmul per expert
+"""The sparse MLP of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks top_k experts per
+token; each expert is a SiLU-gated MLP (Qwen2-MoE adds a shared expert every token takes, gated by a sigmoid). Tokens are grouped by expert, so one step runs one gate/up and one down matmul per expert
 it hit, whatever the number of tokens; the experts' outputs are summed in ascending expert order, as transformers'
 loop does, so fp32 results match its own. Each expert's projections are `Linear`s: packed for oneDNN like the dense
 layers' where the CPU runs the dtype there."""
@@ -30,6 +30,9 @@ class SparseMoe(nn.Module):
         # the router: nn.Linear, never packed, so its logits are F.linear's as in transformers (they choose experts)
         self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(spec.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+        if moe.shared_intermediate_size:
+            self.shared_expert = Expert(spec.hidden_size, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> (weights (T, top_k), experts (T, top_k) long), as the family's router computes them."""
@@ -41,6 +44,14 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden)."""
+        out = self._routed(x)
+        if not self.moe.shared_intermediate_size:
+            return out
+        shared = self.shared_expert.w2(self.ops.silu_and_mul(self.shared_expert.w13(x)))  # (T, hidden)
+        return out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared  # transformers' order
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The top-k experts' weighted sum: x (T, hidden) -> (T, hidden)."""
         weights, experts = self.route(x)
         flat = experts.flatten()  # (T * top_k,) token t's choices at t * top_k ...
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs grouped by expert, ascending

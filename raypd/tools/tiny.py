@@ -27,7 +27,7 @@ from safetensors import safe_open
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # "llava" wraps one of them
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES  # text-only
 VISION_TOWERS = ("clip", "siglip")
 
@@ -161,11 +161,13 @@ _CONFIGS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
 # Mixture-of-experts shapes: 8 experts, 2 per token, each expert a quarter of the dense MLP (Qwen3-30B-A3B's ratio
-# of 128 experts at 8 per token, scaled down); Qwen3-MoE's first layer dense, to cover mixed stacks.
+# of 128 experts at 8 per token, scaled down); Qwen3-MoE's first layer dense, to cover mixed stacks; Qwen2-MoE's
+# shared expert half the dense MLP.
 _MOE_EXPERTS, _MOE_TOP_K = 8, 2
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -306,6 +308,10 @@ def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
     if arch == "qwen3_moe":
         kwargs.update(num_experts=_MOE_EXPERTS, num_experts_per_tok=_MOE_TOP_K, norm_topk_prob=True,
                       moe_intermediate_size=size.intermediate_size // 4, mlp_only_layers=[0])
+    if arch == "qwen2_moe":
+        kwargs.update(num_experts=_MOE_EXPERTS, num_experts_per_tok=_MOE_TOP_K,
+                      moe_intermediate_size=size.intermediate_size // 4,
+                      shared_expert_intermediate_size=size.intermediate_size // 2)
     kwargs.update(overrides)
     if arch in ("qwen3", "qwen3_moe"):
         # Qwen3's default head_dim (128) ignores hidden_size / num_attention_heads.

@@ -251,7 +251,7 @@ def test_more_imports_than_seats_wait_in_their_queue(tiny_llama):
         gen.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_moe_models_hand_off_the_same_tokens_with_decode_side_prefix_hits(model_factory, arch):
     """A mixture-of-experts model's KV is a dense model's: the hand-off carries it unchanged, greedy and seeded, and a
     decode replica that already holds the prompt reads only its last, partial block."""

@@ -32,6 +32,8 @@ VARIANTS = {
     "qwen3_moe": dict(arch="qwen3_moe"),
     "qwen3_moe_step2": dict(arch="qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False),
     "mixtral": dict(arch="mixtral", sliding_window=8),
+    # Qwen2-MoE: q/k/v biases (perturbed), raw top-k weights and a sigmoid-gated shared expert.
+    "qwen2_moe": dict(arch="qwen2_moe"),
     # A non-default rope whose cos/sin are scaled (attention factor != 1).
     "llama_yarn": dict(
         arch="llama",
