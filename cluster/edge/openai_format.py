@@ -57,8 +57,7 @@ class Formatter:
     def echoed(self, result: GenerationResult, text: str, token_ids: list[int], logprobs: list | None):
         """(text, token ids, logprobs) of a choice, or of its first streamed chunk: with echo, the prompt's first
         (its first token has no logprob: None, as OpenAI reports it)."""
-        if not self.generated:
-            text, token_ids, logprobs = "", [], [] if logprobs is not None else None
+        text, token_ids, logprobs = self._generated(text, token_ids, logprobs)
         if not self.echo:
             return text, token_ids, logprobs
         ids = list(result.prompt_token_ids)
@@ -67,10 +66,17 @@ class Formatter:
             logprobs = list(result.prompt_logprobs or [None] * len(ids)) + list(logprobs)
         return prompt + text, ids + list(token_ids), logprobs
 
+    def _generated(self, text: str, token_ids: list[int], logprobs: list | None):
+        """What of the output is returned: all of it, or nothing (max_tokens 0 with echo: the one token generated is
+        dropped)."""
+        if self.generated:
+            return text, token_ids, logprobs
+        return "", [], [] if logprobs is not None else None
+
     def chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
               finish_reason: str | None, first: bool) -> dict:
-        if not self.generated and not first:  # echo only: the first chunk had the prompt, the rest is dropped
-            text, token_ids, logprobs = "", [], [] if logprobs is not None else None
+        if not first:  # the first chunk went through echoed()
+            text, token_ids, logprobs = self._generated(text, token_ids, logprobs)
         lp = self.logprobs(token_ids, logprobs) if logprobs is not None else None
         choice = {"index": index, "logprobs": lp, "finish_reason": finish_reason}
         reader = self._reader(index)

@@ -16,22 +16,30 @@ from engine.model.linear import Linear
 
 
 class Expert(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    """One SiLU-gated MLP: w2(silu(gate) * up), gate and up from one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: TorchOps):
         super().__init__()
         self.w13 = Linear(hidden_size, 2 * intermediate_size, bias=False)  # gate rows, then up rows
         self.w2 = Linear(intermediate_size, hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden)."""
+        return self.w2(self.ops.silu_and_mul(self.w13(x)))
 
 
 class SparseMoe(nn.Module):
     def __init__(self, spec: ModelSpec, ops: TorchOps):
         super().__init__()
         moe = spec.moe
-        self.moe, self.ops = moe, ops
+        self.moe = moe
         # the router: nn.Linear, never packed, so its logits are F.linear's as in transformers (they choose experts)
         self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(spec.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(Expert(spec.hidden_size, moe.intermediate_size, ops)
+                                     for _ in range(moe.num_experts))
         if moe.shared_intermediate_size:
-            self.shared_expert = Expert(spec.hidden_size, moe.shared_intermediate_size)
+            self.shared_expert = Expert(spec.hidden_size, moe.shared_intermediate_size, ops)
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +55,7 @@ class SparseMoe(nn.Module):
         out = self._routed(x)
         if not self.moe.shared_intermediate_size:
             return out
-        shared = self.shared_expert.w2(self.ops.silu_and_mul(self.shared_expert.w13(x)))  # (T, hidden)
+        shared = self.shared_expert(x)  # (T, hidden)
         return out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared  # transformers' order
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +73,6 @@ class SparseMoe(nn.Module):
             pairs = order[start:start + count]  # (count,)
             start += count
             tokens = pairs // self.moe.top_k  # (count,) each token at most once per expert
-            mlp = self.experts[expert]
-            h = self.ops.silu_and_mul(mlp.w13(x[tokens]))  # (count, intermediate)
-            h = mlp.w2(h) * flat_weights[pairs, None]  # (count, hidden)
+            h = self.experts[expert](x[tokens]) * flat_weights[pairs, None]  # (count, hidden)
             out.index_add_(0, tokens, h.to(out.dtype))
         return out
