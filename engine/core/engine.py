@@ -3,6 +3,7 @@ model, update from the output. Requests are validated here and then live in the 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,9 @@ from engine.model.kernels import cpu_kernels
 from engine.kv.kv_cache import KVCache, KVLayout
 from engine.kv.kv_connector import EngineCard, KVConnector, NullConnector
 from engine.model.causal_lm import CausalLM
+from engine.config import load_spec
+from engine.parallel.ranks import START_TIMEOUT_S, RankGroup
+from engine.parallel.shard import SINGLE, check_shardable
 from engine.core.output_processor import OutputProcessor
 from engine.core.request import EngineRequest, FirstToken, MultimodalItem
 from engine.model.runner import ModelRunner
@@ -40,6 +44,9 @@ class EngineConfig:
     kv_lease_s: float = 30.0  # how long a prefill engine holds a context-only request's blocks for the decode side
     kv_transfer_timeout_s: float = 10.0  # a decode engine's budget to read one request's prompt KV
     cluster_key: bytes | None = None  # signs KV handles; engines that exchange handles across processes share it
+    # Ranks the model is split over (engine/parallel/): this engine is rank 0; the others are started as processes on
+    # this host unless the engine is given them (a Ray replica starts them as actors).
+    tensor_parallel_size: int = 1
 
     def pool_blocks(self, layout: KVLayout) -> int:
         """How many KV blocks of this layout the pool holds: num_blocks, or as many as kv_cache_bytes holds."""
@@ -47,29 +54,59 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "kv_lease_s",
-                     "kv_transfer_timeout_s"):
+                     "kv_transfer_timeout_s", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def _local_ranks(model_dir: str, config: EngineConfig) -> RankGroup | None:
+    """Ranks 1..N-1 as child processes, when the config asks for tensor parallelism."""
+    if config.tensor_parallel_size == 1:
+        return None
+    check_shardable(load_spec(model_dir), config.tensor_parallel_size)  # before any process starts
+    from engine.parallel.local import start_local_ranks
+
+    return start_local_ranks(model_dir, config.tensor_parallel_size, config.dtype, config.device,
+                             config.num_threads, config.block_size)
 
 
 def nixl_connector(config: EngineConfig) -> KVConnector:
     """The KV connector of engines that exchange KV (prefill and decode roles); imports nixl."""
     from engine.kv.nixl_connector import NixlConnector
 
+    if config.tensor_parallel_size > 1:
+        raise ValueError("KV transfer between tensor-parallel engines is not built yet: serve tensor_parallel_size "
+                         f"{config.tensor_parallel_size} colocated (kv_transfer None)")
+
     return NixlConnector(config.kv_lease_s, config.kv_transfer_timeout_s, config.cluster_key)
 
 
 class LLMEngine:
-    """connector: how this engine exchanges KV with others; None: NullConnector (colocated, no nixl)."""
+    """connector: how this engine exchanges KV with others; None: NullConnector (colocated, no nixl).
+    ranks: the other tensor-parallel ranks, started and joined (their RankSetup sent); None with
+    config.tensor_parallel_size > 1 starts them here as child processes. The engine closes them."""
 
-    def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), connector: KVConnector | None = None):
+    def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), connector: KVConnector | None = None,
+                 ranks: RankGroup | None = None):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.model = CausalLM.from_pretrained(model_dir, dtype=config.dtype, device=config.device)
+        self.ranks = ranks or _local_ranks(model_dir, config)
+        try:
+            self._build(model_dir, config, connector)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+
+    def _build(self, model_dir: str, config: EngineConfig, connector: KVConnector | None) -> None:
+        shard = self.ranks.shard if self.ranks is not None else SINGLE
+        self.model = CausalLM.from_pretrained(model_dir, dtype=config.dtype, device=config.device, shard=shard)
         self.spec = self.model.spec
         layout = self.model.kv_layout(config.block_size)
         num_blocks = config.pool_blocks(layout)
+        if self.ranks is not None:
+            self.ranks.start(num_blocks, time.monotonic() + START_TIMEOUT_S)
         self.kv_cache = KVCache(layout, num_blocks, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.connector = connector or NullConnector()
@@ -77,9 +114,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.connector, config.max_num_batched_tokens,
                                    config.max_num_seqs)
         # Logits reach the sampler on the CPU whatever the model's device: the fused sampling kernel serves both.
-        self.executor = ModelExecutor(ModelRunner(self.model, self.kv_cache), Sampler(config.seed, cpu_kernels()))
+        runner = ModelRunner(self.model, self.kv_cache, self.ranks)
+        self.executor = ModelExecutor(runner, Sampler(config.seed, cpu_kernels()))
         self.requests: dict[int, EngineRequest] = {}
-        self.output = OutputProcessor(self.spec, self.scheduler, self.kv_cache, self.connector, self.requests,
+        self.output = OutputProcessor(self.spec, self.scheduler, runner, self.connector, self.requests,
                                       Grammars(model_dir, self.spec.vocab_size))
 
     # ---- the loop ----
@@ -208,6 +246,8 @@ class LLMEngine:
 
     def close(self) -> None:
         self.connector.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     # ---- what the engine reports ----
     def queued_tokens(self) -> int:

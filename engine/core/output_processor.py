@@ -10,23 +10,25 @@ import torch
 
 from engine.config import ModelSpec
 from engine.sampling.grammar import Grammars
-from engine.kv.kv_cache import KVCache
 from engine.kv.kv_connector import KVConnector
 from engine.core.request import EngineRequest, Sequence
 from engine.sampling.sampler import Sample, top_logprobs
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.model.executor import ModelOutput
+from engine.model.runner import ModelRunner
 from llmapi.outputs import Handoff, Logprob, RequestDelta, TokenDelta
 
 
 class OutputProcessor:
-    def __init__(self, spec: ModelSpec, scheduler: Scheduler, kv_cache: KVCache, connector: KVConnector,
+    """runner: copies a fork's partial block (on every tensor-parallel rank)."""
+
+    def __init__(self, spec: ModelSpec, scheduler: Scheduler, runner: ModelRunner, connector: KVConnector,
                  requests: dict[int, EngineRequest], grammars: Grammars):
         self.spec = spec
         self.grammars = grammars
         self.scheduler = scheduler
         self.block_manager = scheduler.block_manager
-        self.kv_cache = kv_cache
+        self.runner = runner
         self.connector = connector
         self.requests = requests  # the engine's live requests; a request leaves it with its final response
         self._pending: list[RequestDelta] = []
@@ -115,7 +117,7 @@ class OutputProcessor:
             return
         copy = self.block_manager.fork(seq, child)
         if copy is not None:
-            self.kv_cache.copy_block(*copy)
+            self.runner.copy_block(*copy)
         child.num_computed_tokens = seq.num_computed_tokens
         self.scheduler.add_running(child)
 

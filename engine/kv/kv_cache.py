@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelSpec
+from engine.parallel.shard import SINGLE, Shard
 
 
 @dataclass(frozen=True)
@@ -18,16 +19,17 @@ class KVLayout:
     """What two engines must agree on before they exchange blocks."""
 
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # in one rank's pool
     head_dim: int
     block_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
+    tp_size: int = 1  # tensor-parallel ranks, each with a pool of its KV heads
 
     @classmethod
-    def of(cls, spec: ModelSpec, block_size: int, dtype: str) -> KVLayout:
-        """A model's KV layout at a block size and run dtype: the one rule, used by the engine and by the edge (which
-        sizes its limits from it before any engine exists)."""
-        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, dtype)
+    def of(cls, spec: ModelSpec, block_size: int, dtype: str, shard: Shard = SINGLE) -> KVLayout:
+        """A model's KV layout at a block size and run dtype, in one rank's pool: the one rule, used by the engine
+        and by the edge (which sizes its limits from it before any engine exists)."""
+        return cls(spec.num_layers, shard.num_kv_heads(spec), spec.head_dim, block_size, dtype, shard.size)
 
     @property
     def torch_dtype(self) -> torch.dtype:

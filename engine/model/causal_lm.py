@@ -17,6 +17,7 @@ from engine.model.kernels import REFERENCE, TorchOps, apply_rope, select_ops, sp
 from engine.model.linear import Linear, can_pack
 from engine.model.moe import SparseMoe
 from engine.kv.kv_cache import KVCache, KVLayout
+from engine.parallel.shard import SINGLE, Shard, check_shardable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,10 +38,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, ops: TorchOps):
+    """This rank's heads (all of them on one rank); o_proj's output is this rank's part of the sum."""
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, ops: TorchOps, shard: Shard):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.num_heads, self.num_kv_heads = spec.num_heads // shard.size, shard.num_kv_heads(spec)
+        self.head_dim = spec.head_dim
+        q_size, kv_size = self.num_heads * spec.head_dim, self.num_kv_heads * spec.head_dim
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.attention_bias)
         self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         # Qwen3 norms each head of q and k before RoPE.
@@ -63,10 +67,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps):
+    """This rank's slice of the intermediate width; down_proj's output is this rank's part of the sum."""
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps, shard: Shard):
         super().__init__()
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        width = spec.intermediate_size // shard.size
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * width, bias=spec.mlp_bias)
+        self.down_proj = Linear(width, spec.hidden_size, bias=spec.mlp_bias)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,39 +81,42 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, ops: TorchOps):
+    def __init__(self, spec: ModelSpec, layer_idx: int, ops: TorchOps, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.self_attn = Attention(spec, layer_idx, ops)
+        self.self_attn = Attention(spec, layer_idx, ops, shard)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
-        self.mlp = SparseMoe(spec, ops) if sparse else MLP(spec, ops)
+        self.mlp = SparseMoe(spec, ops, shard) if sparse else MLP(spec, ops, shard)
+        self.shard = shard
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        attn = self.shard.reduce(self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache))
         x, h = self.post_attention_layernorm.add_norm(x, attn)  # x + attn, and its norm
-        return x + self.mlp(h)
+        return x + self.shard.reduce(self.mlp(h))
 
 
 class CausalLM(nn.Module):
     """Construct with from_pretrained; the caller runs forward under torch.inference_mode.
 
-    ops: how the fused ops run: the C++ CPU kernels where they build, else (and on other devices) torch."""
+    ops: how the fused ops run: the C++ CPU kernels where they build, else (and on other devices) torch.
+    shard: the tensor-parallel rank this model is (engine/parallel/shard.py); every rank runs forward together."""
 
-    def __init__(self, spec: ModelSpec, ops: TorchOps = REFERENCE):
+    def __init__(self, spec: ModelSpec, ops: TorchOps = REFERENCE, shard: Shard = SINGLE):
         super().__init__()
         self.spec = spec
         self.ops = ops
+        self.shard = shard
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, ops) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, ops, shard) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: str | None = None, device="cpu", ops: TorchOps | None = None,
-                        pack: bool = True) -> CausalLM:
+                        pack: bool = True, shard: Shard = SINGLE) -> CausalLM:
         """ops: None picks the fastest that runs here (select_ops); pack: repack linear weights for oneDNN where
-        this CPU runs the dtype there (Linear.pack)."""
+        this CPU runs the dtype there (Linear.pack); shard: load only this rank's part of the weights."""
         from engine.model.loader import load_weights  # the loader names this module's parameters
 
         spec = load_spec(model_dir)
@@ -114,13 +124,16 @@ class CausalLM(nn.Module):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
         ops = ops or select_ops(DTYPES[dtype], device)
+        check_shardable(spec, shard.size)
         with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
-            model = cls(spec, ops)
+            model = cls(spec, ops, shard)
         model = model.to(DTYPES[dtype]).to_empty(device=device)
         if spec.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model._init_rope(device)
         load_weights(model, model_dir)
+        if shard.rank:
+            model._zero_row_parallel_biases()
         if pack and can_pack(model.dtype, device):
             model._pack_linears(Linear.pack)
         elif pack and model.dtype != torch.float32 and can_pack(torch.float32, device):
@@ -132,6 +145,15 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 # A tied lm_head's weight is the embedding table, which token lookups still need.
                 how(module, free_weight=module.weight is not self.embed_tokens.weight)
+
+    def _zero_row_parallel_biases(self) -> None:
+        """A row-parallel projection's bias is added once to the sum: by rank 0 alone."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, (Attention, MLP)):
+                    proj = module.o_proj if isinstance(module, Attention) else module.down_proj
+                    if proj.bias is not None:
+                        proj.bias.zero_()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -148,7 +170,8 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_sin", (emb.sin() * scaling).to(self.dtype), persistent=False)  # (P, head_dim)
 
     def kv_layout(self, block_size: int) -> KVLayout:
-        return KVLayout.of(self.spec, block_size, str(self.dtype).removeprefix("torch."))
+        """The layout of this rank's KV pool: its KV heads."""
+        return KVLayout.of(self.spec, block_size, str(self.dtype).removeprefix("torch."), self.shard)
 
     def forward(
         self, input_ids, positions, meta: AttentionMetadata, kv_cache: KVCache, row_embeds=None

@@ -8,11 +8,13 @@ multimodal checkpoint's text model lives under spec.weight_prefix; its other ten
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 
 from engine.config import ModelSpec, read_safetensors_headers
+from engine.parallel.shard import Shard
 
 # fused parameter -> the checkpoint's projections, in the order they are stacked
 _FUSED = {
@@ -32,9 +34,10 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 def load_weights(model: torch.nn.Module, model_dir) -> None:
     """Fills every parameter of model from model_dir; raises ValueError naming any missing, unexpected or
-    mis-shaped tensor. Tied lm_head shares the embedding parameter, so it is filled through it."""
+    mis-shaped tensor. Tied lm_head shares the embedding parameter, so it is filled through it. A tensor-parallel
+    rank's model (model.shard) reads only its part of each split tensor."""
     headers = read_safetensors_headers(model_dir)
-    targets = _targets(model)  # checkpoint name -> (parameter, row offset, expected shape)
+    targets = _targets(model)  # checkpoint name -> (parameter, row offset, source)
     missing = sorted(set(targets) - set(headers))
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(missing)}")
@@ -43,8 +46,8 @@ def load_weights(model: torch.nn.Module, model_dir) -> None:
     if unexpected:
         raise ValueError(f"{model_dir}: unexpected tensor(s) in checkpoint: {', '.join(unexpected)}")
     for name, info in headers.items():
-        if name in targets and tuple(info["shape"]) != targets[name][2]:
-            raise ValueError(f"{name}: checkpoint shape {tuple(info['shape'])}, model expects {targets[name][2]}")
+        if name in targets and tuple(info["shape"]) != targets[name][2].shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(info['shape'])}, model expects {targets[name][2].shape}")
     by_file = defaultdict(list)
     for name in targets:
         by_file[headers[name]["file"]].append(name)
@@ -52,50 +55,91 @@ def load_weights(model: torch.nn.Module, model_dir) -> None:
         for path, names in by_file.items():
             with safe_open(path, framework="pt") as f:
                 for name in names:
-                    param, row, shape = targets[name]
-                    param[row : row + shape[0]].copy_(f.get_tensor(name))  # copy_ casts to the model dtype
+                    param, row, source = targets[name]
+                    param[row : row + source.num_rows].copy_(source.read(f))  # copy_ casts to the model dtype
 
 
-def _targets(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
+@dataclass(frozen=True)
+class _Source:
+    """One checkpoint tensor, its whole shape, and the part of it a rank holds (rows, and columns of a 2-d one)."""
+
+    name: str
+    shape: tuple[int, ...]
+    rows: slice | None = None  # None: all
+    cols: slice | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(range(*(self.rows or slice(None)).indices(self.shape[0])))
+
+    def read(self, f) -> torch.Tensor:
+        rows, cols = self.rows or slice(None), self.cols or slice(None)
+        part = f.get_slice(self.name)  # reads only the part asked for
+        return part[rows] if len(self.shape) == 1 else part[rows, cols]
+
+
+def _targets(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int, _Source]]:
     targets = {}
     # named_parameters lists a tied parameter once, under embed_tokens: lm_head.weight is then not expected.
     for ours, param in model.named_parameters():
         row = 0
-        for hf_name, rows in _sources(ours, model.spec):
-            rows = param.shape[0] if rows is None else rows
-            targets[hf_name] = (param, row, (rows, *param.shape[1:]))
-            row += rows
+        for source in _sources(ours, tuple(param.shape), model.spec, model.shard):
+            targets[source.name] = (param, row, source)
+            row += source.num_rows
     return targets
 
 
-def _sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
-    """Our parameter name -> [(checkpoint name, rows it fills; None = all)], in stacking order."""
+def _sources(ours: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shard) -> list[_Source]:
+    """Our parameter name (and its shape on this rank) -> the checkpoint tensors that fill it, in stacking order.
+    Column-parallel projections take rows of each tensor, row-parallel ones columns (engine/parallel/shard.py)."""
     prefix = spec.weight_prefix
     if ours.startswith("lm_head."):
-        return [(prefix + ours, None)]
+        return [_Source(prefix + ours, shape)]
     if spec.moe is not None and any(f".mlp.{part}." in ours for part in ("gate", "experts", "shared_expert")):
-        return _moe_sources(ours, spec)
+        names, width = _moe_names(ours, spec)
+        if width is None:  # the router
+            return [_Source(names[0], shape)]
+        if ".w2." in ours:
+            return [_Source(names[0], (shape[0], width), cols=shard.split(width))]
+        return [_Source(n, (width, *shape[1:]), rows=shard.split(width)) for n in names]
     for fused, parts in _FUSED.items():
         head, sep, tail = ours.partition(fused)
         if sep:
-            return [(f"{prefix}model.{head}{part}{tail}", rows) for part, rows in zip(parts, _split_rows(fused, spec))]
-    return [(f"{prefix}model.{ours}", None)]
+            names = [f"{prefix}model.{head}{part}{tail}" for part in parts]
+            widths, takes = _split_rows(fused, spec), _taken_rows(fused, spec, shard)
+            return [_Source(n, (w, *shape[1:]), rows=t) for n, w, t in zip(names, widths, takes)]
+    name = f"{prefix}model.{ours}"
+    if ours.endswith("self_attn.o_proj.weight"):
+        return [_Source(name, (shape[0], spec.num_heads * spec.head_dim), cols=_head_rows(shard.heads(spec), spec))]
+    if ours.endswith("mlp.down_proj.weight"):
+        width = spec.intermediate_size
+        return [_Source(name, (shape[0], width), cols=shard.split(width))]
+    return [_Source(name, shape)]
 
 
-def _moe_sources(ours: str, spec: ModelSpec) -> list[tuple[str, int | None]]:
+def _taken_rows(fused: str, spec: ModelSpec, shard: Shard) -> list[slice]:
+    """The rows of each stacked tensor this rank holds: its heads of q, k and v, or its share of gate and up."""
+    if fused == "mlp.gate_up_proj":
+        return [shard.split(spec.intermediate_size)] * 2
+    kv = _head_rows(shard.kv_heads(spec), spec)
+    return [_head_rows(shard.heads(spec), spec), kv, kv]
+
+
+def _head_rows(heads: slice, spec: ModelSpec) -> slice:
+    return slice(heads.start * spec.head_dim, heads.stop * spec.head_dim)
+
+
+def _moe_names(ours: str, spec: ModelSpec) -> tuple[list[str], int | None]:
     """The router ("layers.{i}.mlp.gate.weight") or one expert's fused projection
-    ("layers.{i}.mlp.experts.{e}.w13.weight", "layers.{i}.mlp.shared_expert.w2.weight") -> checkpoint tensors under the
-    family's block name."""
+    ("layers.{i}.mlp.experts.{e}.w13.weight", "layers.{i}.mlp.shared_expert.w2.weight") -> (checkpoint tensors under
+    the family's block name, the expert's intermediate width; None for the router)."""
     block, parts = _EXPERTS[spec.architecture]
     name = f"{spec.weight_prefix}model.{ours.replace('.mlp.', f'.{block}.', 1)}"
     head, leaf, tail = name.rpartition(".w13." if ".w13." in name else ".w2.")
     if not leaf:  # the router
-        return [(name, None)]
+        return [name], None
     width = spec.moe.shared_intermediate_size if ".shared_expert." in name else spec.moe.intermediate_size
-    rows = width if leaf == ".w13." else None
-    return [(f"{head}.{part}.{tail}", rows) for part in parts[leaf.strip(".")]]
-
-
+    return [f"{head}.{part}.{tail}" for part in parts[leaf.strip(".")]], width
 def _split_rows(fused: str, spec: ModelSpec) -> tuple[int, ...]:
     if fused == "mlp.gate_up_proj":
         return (spec.intermediate_size, spec.intermediate_size)

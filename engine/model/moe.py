@@ -13,6 +13,7 @@ from torch import nn
 from engine.config import ModelSpec
 from engine.model.kernels import TorchOps
 from engine.model.linear import Linear
+from engine.parallel.shard import Shard
 
 
 class Expert(nn.Module):
@@ -30,16 +31,19 @@ class Expert(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps):
+    """Under tensor parallelism each rank holds a slice of every expert's width (engine/parallel/shard.py says why)
+    and a whole router: its output is this rank's part of the sum."""
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps, shard: Shard):
         super().__init__()
         moe = spec.moe
         self.moe = moe
         # the router: nn.Linear, never packed, so its logits are F.linear's as in transformers (they choose experts)
         self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(spec.hidden_size, moe.intermediate_size, ops)
+        self.experts = nn.ModuleList(Expert(spec.hidden_size, moe.intermediate_size // shard.size, ops)
                                      for _ in range(moe.num_experts))
         if moe.shared_intermediate_size:
-            self.shared_expert = Expert(spec.hidden_size, moe.shared_intermediate_size, ops)
+            self.shared_expert = Expert(spec.hidden_size, moe.shared_intermediate_size // shard.size, ops)
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,10 @@
-"""Model runner: turns a scheduled step into flat tensors and runs the model. It only reads sequences."""
+"""Model runner: turns a scheduled step into a StepPlan (flat token lists and slices) and runs the model on it. It
+only reads sequences. Under tensor parallelism the plan goes to the other ranks first, which run the same forward on
+their shards (engine/parallel/ranks.py); the hidden states, the logits and the sampling stay on this rank."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -9,19 +13,36 @@ from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.multimodal.processing import embeddings_in_span
 from engine.core.request import Sequence
+from engine.parallel.ranks import RankGroup
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's model input, all a rank needs to run it: what this rank sends the other tensor-parallel ranks, as
+    vLLM v1's SchedulerOutput goes to its workers."""
+
+    token_ids: list[int]  # (T,) the flat batch
+    positions: list[int]  # (T,)
+    slices: list[SeqSlice]
+    row_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # image_rows'
+    block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) blocks other ranks copy first: forks since the last
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache):
+    """ranks: the other tensor-parallel ranks (None: this rank is the whole model)."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, ranks: RankGroup | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.layout.block_size
         self.device = kv_cache.arena.device
+        self.ranks = ranks
+        self._copies: list[tuple[int, int]] = []  # made here since the last plan; the other ranks repeat them
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
-        """Computes the scheduled tokens' KV into the cache. Returns hidden states (T, hidden) and, per scheduled
-        sequence, the flat index of its last new token."""
+        """Computes the scheduled tokens' KV into the cache (on every rank). Returns hidden states (T, hidden) and,
+        per scheduled sequence, the flat index of its last new token."""
         ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
@@ -32,11 +53,34 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slices.append(SeqSlice(block_table=seq.block_table, start=start, num_new=n))
             last_rows.append(len(ids) - 1)
-        meta = AttentionMetadata.build(slices, self.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # (T,)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # (T,)
-        hidden = self.model(input_ids, pos, meta, self.kv_cache, row_embeds=image_rows(scheduled, self.device))
-        return hidden, last_rows
+        plan = StepPlan(ids, positions, slices, image_rows(scheduled, self.device), tuple(self._copies))
+        if self.ranks is None:
+            return self.forward(plan), last_rows
+        self._copies.clear()
+        with self.ranks.guard():  # a rank that died is named, not a bare connection error
+            self.ranks.send(plan)
+            return self.forward(plan), last_rows
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """The model on one step's plan: hidden states (T, hidden)."""
+        meta = AttentionMetadata.build(plan.slices, self.block_size, self.device)
+        input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)  # (T,)
+        pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)  # (T,)
+        return self.model(input_ids, pos, meta, self.kv_cache, row_embeds=plan.row_embeds)
+
+    def replay(self, plan: StepPlan) -> None:
+        """Another rank's step: the block copies made there since its last plan, then the forward."""
+        for src, dst in plan.block_copies:
+            self.kv_cache.copy_block(src, dst)
+        self.forward(plan)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copies every layer of block src into dst (a fork's copy-on-write), here and, with the next plan, on the
+        other ranks."""
+        self.kv_cache.copy_block(src, dst)
+        if self.ranks is not None:
+            self._copies.append((src, dst))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

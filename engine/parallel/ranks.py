@@ -1,0 +1,149 @@
+"""The tensor-parallel ranks of one engine. Rank 0 is the engine's own process: it schedules, samples and keeps the
+block accounting; every step it sends its StepPlan to the other ranks, which only run their shard of the model on it
+(their collectives meet rank 0's inside the forward). A plan travels over one channel per rank (a
+multiprocessing Connection); the all-reduce is torch.distributed's process group (gloo on CPU).
+
+Who starts the other ranks (child processes for the embedded LLM, engine/parallel/local.py) only hands RankGroup
+their channels and a way to tell which of them has exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel.shard import Shard
+
+# A collective waits this long for the other ranks: well past the longest step (a long prefill chunk of a big model
+# on a CPU), so it only ends a rank that hangs. A rank that dies ends it at once (its connections close).
+COLLECTIVE_TIMEOUT_S = 300.0
+# Starting a rank: the interpreter, torch and the model shard.
+START_TIMEOUT_S = 300.0
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What rank 0 tells each other rank once: enough to join the group and build its shard."""
+
+    rank: int
+    size: int
+    store_host: str
+    store_port: int
+    model_dir: str
+    dtype: str | None
+    device: str
+    num_threads: int | None
+    block_size: int
+
+
+class RankFailed(RuntimeError):
+    """A tensor-parallel rank exited or stopped answering: the engine cannot run another step."""
+
+
+class Members(Protocol):
+    """The processes behind ranks 1..N-1, however they were started."""
+
+    def exited(self) -> dict[int, str]:
+        """rank -> how it ended, for the ranks that are gone. Mutates nothing."""
+
+    def stop(self, timeout_s: float) -> None:
+        """Waits up to timeout_s for the ranks to end (they were told to), then kills what is left. Idempotent."""
+
+
+def master_store(size: int) -> dist.TCPStore:
+    """The store the ranks rendezvous on, served by rank 0's process on a free port of this host (store.port)."""
+    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+
+
+def join_group(rank: int, size: int, store: dist.Store) -> Shard:
+    """This rank's Shard, its all-reduce on the group's gloo process group. Blocks until every rank joined."""
+    group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        group.allreduce([x]).wait()
+        return x
+
+    return Shard(rank, size, all_reduce)
+
+
+class RankGroup:
+    """Rank 0's view of the others: their channels (index r - 1 is rank r's, each already sent its RankSetup) and
+    processes. join() makes rank 0's shard."""
+
+    def __init__(self, channels: list, members: Members, store: dist.TCPStore):
+        self.size = len(channels) + 1
+        self.shard: Shard | None = None
+        self._channels = channels
+        self._members = members
+        self._store = store  # the master of the rendezvous: it must outlive the group
+        self._closed = False
+
+    def join(self, deadline: float) -> Shard:
+        """Waits (until deadline, time.monotonic()) for every rank to start, then joins the group with them."""
+        for rank, channel in enumerate(self._channels, 1):
+            self.receive(rank, channel, deadline, "start")
+        self.shard = join_group(0, self.size, self._store)
+        return self.shard
+
+    def start(self, num_blocks: int, deadline: float) -> None:
+        """Tells every rank its KV pool size and waits (until deadline, time.monotonic()) for each to be ready."""
+        for channel in self._channels:
+            channel.send(num_blocks)
+        for rank, channel in enumerate(self._channels, 1):
+            self.receive(rank, channel, deadline, "build its model shard")
+
+    def receive(self, rank: int, channel, deadline: float, doing: str):
+        """The next message from rank; RankFailed if it exits or the deadline passes first."""
+        while not channel.poll(_POLL_S):
+            gone = self._members.exited()
+            if rank in gone:
+                raise RankFailed(f"tensor-parallel rank {rank} of {self.size} {gone[rank]} before it could {doing}")
+            if time.monotonic() > deadline:
+                raise RankFailed(f"tensor-parallel rank {rank} of {self.size} did not {doing} in time")
+        return channel.recv()
+
+    def send(self, plan) -> None:
+        """One step's plan to every other rank (they run it as soon as it arrives)."""
+        for channel in self._channels:
+            channel.send(plan)
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Turns a failed send or collective into RankFailed naming the rank that exited; an error of a step whose
+        ranks are all alive passes unchanged."""
+        try:
+            yield
+        except (RuntimeError, OSError, EOFError) as exc:
+            gone = self._exited_soon()
+            if not gone:
+                raise
+            named = "; ".join(f"rank {r} {how}" for r, how in sorted(gone.items()))
+            raise RankFailed(f"a tensor-parallel rank of this engine ({self.size} ranks) is gone: {named}") from exc
+
+    def _exited_soon(self, wait_s: float = 2.0) -> dict[int, str]:
+        """The ranks that exited, giving a dying one a moment: its collective may fail before its process ends."""
+        deadline = time.monotonic() + wait_s
+        while not (gone := self._members.exited()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return gone
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tells every rank to stop and waits for them (then kills). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for channel in self._channels:
+            with contextlib.suppress(OSError, ValueError):
+                channel.send(None)
+        self._members.stop(timeout_s)
+        for channel in self._channels:
+            channel.close()
