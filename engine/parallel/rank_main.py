@@ -6,6 +6,7 @@ script without a main guard is never re-imported."""
 from __future__ import annotations
 
 import datetime
+import pickle
 import sys
 from multiprocessing.connection import Connection
 
@@ -31,7 +32,7 @@ def serve(channel: Connection) -> None:
     channel.send("ready")
     while True:
         try:
-            plan = channel.recv()
+            plan = pickle.loads(channel.recv_bytes())
         except EOFError:  # rank 0 is gone
             return
         if plan is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -112,9 +113,11 @@ class RankGroup:
         return channel.recv()
 
     def send(self, plan) -> None:
-        """One step's plan to every other rank (they run it as soon as it arrives)."""
+        """One step's plan to every other rank (they run it as soon as it arrives). Pickled once, by plain pickle:
+        multiprocessing's own would hand tensors over as shared file descriptors, which only its children open."""
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for channel in self._channels:
-            channel.send(plan)
+            channel.send_bytes(data)
 
     @contextlib.contextmanager
     def guard(self):
@@ -141,9 +144,10 @@ class RankGroup:
         if self._closed:
             return
         self._closed = True
+        stop = pickle.dumps(None)
         for channel in self._channels:
             with contextlib.suppress(OSError, ValueError):
-                channel.send(None)
+                channel.send_bytes(stop)
         self._members.stop(timeout_s)
         for channel in self._channels:
             channel.close()
