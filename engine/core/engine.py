@@ -269,4 +269,11 @@ class LLMEngine:
                 "prefix_cache_query_tokens": cache.query_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_waiting_for_kv": len(self.scheduler.waiting_for_kv), "num_preemptions": self.scheduler.num_preemptions,
-                "num_reprefills": self.scheduler.num_reprefills, **kv.extra}
+                "num_reprefills": self.scheduler.num_reprefills, **self._rank_stats(), **kv.extra}
+
+    def _rank_stats(self) -> dict[str, float]:
+        """Tensor parallelism's cost here: all-reduces run and the seconds rank 0 spent in them."""
+        if self.ranks is None:
+            return {}
+        reduce = self.ranks.shard.all_reduce
+        return {"tp_all_reduce_calls": reduce.calls, "tp_all_reduce_s": reduce.seconds}

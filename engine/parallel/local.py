@@ -8,13 +8,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from multiprocessing.connection import Connection
 
 import torch
 
-from engine.parallel.ranks import START_TIMEOUT_S, RankGroup, RankSetup, master_store
+from engine.parallel.shm import ShmAllReduce
+from engine.parallel.ranks import START_TIMEOUT_S, RankGroup, RankSetup, master_store, rank_device
 
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # where `engine` imports from
 
 
@@ -44,6 +48,8 @@ def start_local_ranks(model_dir: str, size: int, dtype: str | None, device: str,
     threads = num_threads or max(1, (os.cpu_count() or 1) // size)
     torch.set_num_threads(threads)
     store, members, channels = master_store(size), LocalRanks(), []
+    shm_path = os.path.join(_SHM_DIR, f"raypd-tp-{uuid.uuid4().hex}")
+    ShmAllReduce.create(shm_path, size)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
     try:
         for rank in range(1, size):
@@ -53,16 +59,18 @@ def start_local_ranks(model_dir: str, size: int, dtype: str | None, device: str,
                 pass_fds=(theirs.fileno(),), env=env)
             theirs.close()
             channels.append(Connection(mine.detach()))
-            channels[-1].send(RankSetup(rank, size, "127.0.0.1", store.port, str(model_dir), dtype, device, threads,
-                                        block_size))
+            channels[-1].send(RankSetup(rank, size, "127.0.0.1", store.port, str(model_dir), dtype,
+                                        rank_device(device, rank), threads, block_size, shm_path))
         group = RankGroup(channels, members, store)
-        group.join(time.monotonic() + START_TIMEOUT_S)
+        group.join(time.monotonic() + START_TIMEOUT_S, device, shm_path)
         return group
     except BaseException:
         for channel in channels:
             channel.close()
         members.stop(0.0)
         raise
+    finally:
+        os.unlink(shm_path)  # every rank has mapped it (or none ever will): the name goes, the mappings stay
 
 
 def _how(code: int) -> str:

@@ -26,7 +26,7 @@ def serve(channel: Connection) -> None:
     channel.send("joined")
     store = dist.TCPStore(setup.store_host, setup.store_port, setup.size, is_master=False,
                           timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-    shard = join_group(setup.rank, setup.size, store)
+    shard = join_group(setup.rank, setup.size, store, setup.device, setup.shm_path)
     model = CausalLM.from_pretrained(setup.model_dir, dtype=setup.dtype, device=setup.device, shard=shard)
     runner = ModelRunner(model, KVCache(model.kv_layout(setup.block_size), channel.recv(), setup.device))
     channel.send("ready")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.shard import Shard
+from engine.parallel.shm import ShmAllReduce
 
 # A collective waits this long for the other ranks: well past the longest step (a long prefill chunk of a big model
 # on a CPU), so it only ends a rank that hangs. A rank that dies ends it at once (its connections close).
@@ -42,6 +43,7 @@ class RankSetup:
     device: str
     num_threads: int | None
     block_size: int
+    shm_path: str | None = None  # ranks on one host's CPUs all-reduce through this file (engine/parallel/shm.py)
 
 
 class RankFailed(RuntimeError):
@@ -64,16 +66,46 @@ def master_store(size: int) -> dist.TCPStore:
                           timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
 
 
-def join_group(rank: int, size: int, store: dist.Store) -> Shard:
-    """This rank's Shard, its all-reduce on the group's gloo process group. Blocks until every rank joined."""
-    group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+class AllReduce:
+    """The sum over the ranks, in place, on a process group: gloo for CPU tensors, NCCL for CUDA ones. Counts its
+    calls and the time spent in them (what tensor parallelism costs a step)."""
 
-    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, group):
+        self.group = group
+        self.calls = 0
+        self.seconds = 0.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         x = x.contiguous()
-        group.allreduce([x]).wait()
+        self.group.allreduce([x]).wait()
+        self.calls += 1
+        self.seconds += time.perf_counter() - start
         return x
 
-    return Shard(rank, size, all_reduce)
+
+def join_group(rank: int, size: int, store: dist.Store, device: str = "cpu", shm_path: str | None = None) -> Shard:
+    """This rank's Shard over the group's process group (through shared memory where shm_path is given for a CPU
+    engine). Blocks until every rank joined."""
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    if shm_path is not None and torch.device(device).type == "cpu":
+        reduce = ShmAllReduce(shm_path, rank, size, COLLECTIVE_TIMEOUT_S)
+        dist.ProcessGroupGloo(store, rank, size, timeout)  # the rendezvous: every rank has mapped the file after it
+        return Shard(rank, size, reduce)
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, rank, size, options)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return Shard(rank, size, AllReduce(group))
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of a rank: rank r of a CUDA engine on "cuda" or "cuda:i" takes the r-th GPU from there."""
+    dev = torch.device(device)
+    return f"cuda:{(dev.index or 0) + rank}" if dev.type == "cuda" else device
 
 
 class RankGroup:
@@ -88,11 +120,11 @@ class RankGroup:
         self._store = store  # the master of the rendezvous: it must outlive the group
         self._closed = False
 
-    def join(self, deadline: float) -> Shard:
+    def join(self, deadline: float, device: str = "cpu", shm_path: str | None = None) -> Shard:
         """Waits (until deadline, time.monotonic()) for every rank to start, then joins the group with them."""
         for rank, channel in enumerate(self._channels, 1):
             self.receive(rank, channel, deadline, "start")
-        self.shard = join_group(0, self.size, self._store)
+        self.shard = join_group(0, self.size, self._store, rank_device(device, 0), shm_path)
         return self.shard
 
     def start(self, num_blocks: int, deadline: float) -> None:
