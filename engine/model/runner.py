@@ -24,7 +24,7 @@ class StepPlan:
     token_ids: list[int]  # (T,) the flat batch
     positions: list[int]  # (T,)
     slices: list[SeqSlice]
-    row_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # image_rows'
+    row_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # image_rows', on the CPU
     block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) blocks other ranks copy first: forks since the last
 
 
@@ -53,7 +53,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slices.append(SeqSlice(block_table=seq.block_table, start=start, num_new=n))
             last_rows.append(len(ids) - 1)
-        plan = StepPlan(ids, positions, slices, image_rows(scheduled, self.device), tuple(self._copies))
+        plan = StepPlan(ids, positions, slices, image_rows(scheduled), tuple(self._copies))
         if self.ranks is None:
             return self.forward(plan), last_rows
         self._copies.clear()
@@ -67,7 +67,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(plan.slices, self.block_size, self.device)
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)  # (T,)
         pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)  # (T,)
-        return self.model(input_ids, pos, meta, self.kv_cache, row_embeds=plan.row_embeds)
+        embeds = plan.row_embeds and tuple(t.to(self.device) for t in plan.row_embeds)
+        return self.model(input_ids, pos, meta, self.kv_cache, row_embeds=embeds)
 
     def replay(self, plan: StepPlan) -> None:
         """Another rank's step: the block copies made there since its last plan, then the forward."""
@@ -89,7 +90,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, index)).float().cpu()
 
 
-def image_rows(scheduled: list[tuple[Sequence, int]], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+def image_rows(scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The image embeddings this step's chunks cover, at their flat-batch rows: (rows (R,), embeddings (R, hidden)),
     or None when no chunk reaches into an image. A chunk covers positions [num_computed_tokens, + n): after a
     prefix-cache hit only the suffix is computed, so only its images' rows are spliced; decode tokens have none."""
@@ -104,4 +105,4 @@ def image_rows(scheduled: list[tuple[Sequence, int]], device) -> tuple[torch.Ten
         first += n
     if not rows:
         return None
-    return torch.cat(rows).to(device), torch.cat(embeds).to(device)
+    return torch.cat(rows).cpu(), torch.cat(embeds).cpu()  # on the CPU in a plan: each rank moves them to its device

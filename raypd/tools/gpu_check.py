@@ -8,7 +8,8 @@
 3. decode steps (bf16) at a few batch sizes against the weights-read floor: bytes of weights one step reads,
    over the GPU's measured copy bandwidth;
 4. a NIXL VRAM-to-VRAM read of a prompt's KV blocks between two engines (context_only, then generation_only), its
-   time and bandwidth, and the same tokens as colocated.
+   time and bandwidth, and the same tokens as colocated;
+5. tensor parallelism over two GPUs (NCCL) where there are two: the same greedy tokens as one rank.
 
 Without a CUDA GPU it says so and exits 0. Exit 1 if a check fails, 2 if the budget ran out before all had run.
 Each stage prints as it ends, so a run cut short still shows what it measured. `--device cpu --model DIR` runs the
@@ -180,16 +181,17 @@ def check_nixl(model_dir: pathlib.Path, device: str, prompt_tokens: int = 2048) 
     second = "cuda:1" if first == "cuda:0" and torch.cuda.device_count() > 1 else first
     config = dict(dtype="bfloat16", num_blocks=prompt_tokens // 16 + 64)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with LLM(str(model_dir), EngineConfig(device=first, **config)) as ctx, \
-            LLM(str(model_dir), EngineConfig(device=second, **config)) as gen:
+    with LLM(str(model_dir), EngineConfig(device=first, **config), kv_transfer="nixl") as ctx, \
+            LLM(str(model_dir), EngineConfig(device=second, **config), kv_transfer="nixl") as gen:
         prompt = prompts(ctx.engine.spec.vocab_size // 4, 1, prompt_tokens, prompt_tokens, seed=3)[0]
         colocated = ctx.generate(prompt, params, use_tqdm=False)
         warm = ctx.generate(prompt[:64], params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
         gen.generate(prompt[:64], params, disaggregated_params=_generation_only(warm))  # connects the agents
         c = ctx.generate(prompt, params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
-        before = gen.engine.kv_bytes_read
+        before = gen.engine.connector.stats().kv_bytes_read
         g = gen.generate(prompt, params, disaggregated_params=_generation_only(c))
-        moved, seconds = gen.engine.kv_bytes_read - before, gen.engine.last_import_s
+        after = gen.engine.connector.stats()
+        moved, seconds = after.kv_bytes_read - before, after.last_import_s
     same = g.outputs[0].token_ids == colocated.outputs[0].token_ids
     detail = (f"{first} -> {second}: {moved / 1e6:.1f} MB of KV ({prompt_tokens} tokens) in {seconds * 1e3:.2f} ms "
               f"({moved / max(seconds, 1e-9) / 1e9:.1f} GB/s, including the generation-number check); tokens "
@@ -201,6 +203,29 @@ def _generation_only(context_result):
     dp = context_result.disaggregated_params
     dp.request_type = "generation_only"
     return dp
+
+
+def check_tensor_parallel(model_dir: pathlib.Path, device: str, new_tokens: int = 24) -> Outcome:
+    """fp32 greedy tokens of two ranks (NCCL on two GPUs; shared memory on a CPU) against one rank's."""
+    from engine.core.engine import EngineConfig, LLMEngine
+
+    name = f"tensor parallel 2 ranks vs 1 (fp32, {device})"
+    if device.startswith("cuda") and torch.cuda.device_count() < 2:
+        return Outcome(name, True, f"not run: {torch.cuda.device_count()} GPU visible, two needed")
+    tokens, seconds = [], []
+    for size in (1, 2):
+        engine = LLMEngine(str(model_dir), EngineConfig(device=device, dtype="float32", num_blocks=512,
+                                                        tensor_parallel_size=size))
+        batch = prompts(engine.spec.vocab_size // 4, 4, 8, 200, seed=2)
+        start = time.perf_counter()
+        tokens.append(greedy_engine(engine, batch, new_tokens))
+        seconds.append(time.perf_counter() - start)
+        engine.close()
+        del engine
+        free(device)
+    same = sum(a == b for a, b in zip(*tokens))
+    return Outcome(name, same == len(tokens[0]), f"{same}/{len(tokens[0])} prompts token-identical; "
+                                                 f"{seconds[0]:.2f} s at 1 rank, {seconds[1]:.2f} s at 2")
 
 
 def main(argv=None) -> int:
@@ -219,7 +244,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = pathlib.Path(args.model) if args.model else build_model(pathlib.Path(args.work or tmp))
         outcomes, skipped = [], []
-        for stage in (check_parity, time_decode, check_nixl):
+        for stage in (check_parity, time_decode, check_nixl, check_tensor_parallel):
             if time.perf_counter() - start > args.budget_s:
                 skipped.append(stage.__name__)
                 continue

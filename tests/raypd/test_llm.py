@@ -153,3 +153,11 @@ def test_invalid_input_is_refused_clearly(llm):
     with pytest.raises(ValueError, match="streamed"):
         llm.generate_async("x", SamplingParams(n=1, best_of=2), streaming=True)
     assert llm.generate("still fine", SamplingParams(max_tokens=2)).finished
+
+
+def test_gpu_check_runs_its_stages_on_the_cpu(tiny_llama):
+    """The GPU check's stages (parity, decode timing, the NIXL read, two ranks) on this CPU: what keeps the script
+    from breaking unnoticed between the runs a GPU is lent for."""
+    from raypd.tools import gpu_check
+
+    assert gpu_check.main(["--device", "cpu", "--model", tiny_llama]) == 0

@@ -1,6 +1,6 @@
 """Where a mixture-of-experts layer's time goes: the experts' matmuls, or Python and dispatch around them.
 
-    python -m benchmarks.moe [--arch qwen3_moe|mixtral] [--tokens 16,512] [--threads 1] [--steps 20]
+    python -m benchmarks.model.moe [--arch qwen3_moe|mixtral] [--tokens 16,512] [--threads 1] [--steps 20]
 
 Builds the bench-size checkpoint (as `make bench-peers` does), then times the sparse MLP of every layer over steps of
 T tokens (a decode batch, a prefill chunk) under torch.profiler: the share of the block's wall time spent inside ops

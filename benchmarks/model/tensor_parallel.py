@@ -1,6 +1,6 @@
 """Tensor parallelism on this host: the embedded LLM at 1 rank and at N, the same cores in total, side by side.
 
-    python -m benchmarks.tensor_parallel [--model DIR] [--sizes 1,2] [--requests 16] [--rounds 2]
+    python -m benchmarks.model.tensor_parallel [--model DIR] [--sizes 1,2] [--requests 16] [--rounds 2]
 
 Each size serves a warm-up round, then timed rounds, every round with prompts of its own (no prefix-cache hits are
 timed); greedy, EOS ignored. One rank gets every core as torch threads; N ranks get cores / N each. Reported: output
@@ -49,7 +49,7 @@ def run_size(model_dir: str, size: int, rounds: int, requests: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.tensor_parallel", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.model.tensor_parallel", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help=f"checkpoint dir (default: {BENCH.path}, built if missing)")
     parser.add_argument("--sizes", default="1,2")
     parser.add_argument("--requests", type=int, default=16)
