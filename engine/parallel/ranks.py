@@ -1,7 +1,8 @@
 """The tensor-parallel ranks of one engine. Rank 0 is the engine's own process: it schedules, samples and keeps the
 block accounting; every step it sends its StepPlan to the other ranks, which only run their shard of the model on it
 (their collectives meet rank 0's inside the forward). A plan travels over one channel per rank (a
-multiprocessing Connection); the all-reduce is torch.distributed's process group (gloo on CPU).
+multiprocessing Connection). The ranks rendezvous on a torch.distributed store and process group; the all-reduce is
+that group's (NCCL on CUDA, gloo on CPU), or, for ranks on one host's CPUs, engine/parallel/shm.py's.
 
 Who starts the other ranks (child processes for the embedded LLM, engine/parallel/local.py) only hands RankGroup
 their channels and a way to tell which of them has exited.
@@ -23,7 +24,8 @@ from engine.parallel.shard import Shard
 from engine.parallel.shm import ShmAllReduce
 
 # A collective waits this long for the other ranks: well past the longest step (a long prefill chunk of a big model
-# on a CPU), so it only ends a rank that hangs. A rank that dies ends it at once (its connections close).
+# on a CPU), so it only ends a rank that hangs. A rank that dies ends it at once (its connections close; the
+# shared-memory all-reduce looks for its process).
 COLLECTIVE_TIMEOUT_S = 300.0
 # Starting a rank: the interpreter, torch and the model shard.
 START_TIMEOUT_S = 300.0
