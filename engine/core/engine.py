@@ -72,11 +72,10 @@ def _local_ranks(model_dir: str, config: EngineConfig) -> RankGroup | None:
 
 def nixl_connector(config: EngineConfig) -> KVConnector:
     """The KV connector of engines that exchange KV (prefill and decode roles); imports nixl."""
-    from engine.kv.nixl_connector import NixlConnector
-
     if config.tensor_parallel_size > 1:
         raise ValueError("KV transfer between tensor-parallel engines is not built yet: serve tensor_parallel_size "
                          f"{config.tensor_parallel_size} colocated (kv_transfer None)")
+    from engine.kv.nixl_connector import NixlConnector
 
     return NixlConnector(config.kv_lease_s, config.kv_transfer_timeout_s, config.cluster_key)
 
