@@ -214,8 +214,9 @@ def check_tensor_parallel(model_dir: pathlib.Path, device: str, new_tokens: int 
         return Outcome(name, True, f"not run: {torch.cuda.device_count()} GPU visible, two needed")
     tokens, seconds = [], []
     for size in (1, 2):
+        # every rank with this process's thread count (which the engine would otherwise set to cores / ranks)
         engine = LLMEngine(str(model_dir), EngineConfig(device=device, dtype="float32", num_blocks=512,
-                                                        tensor_parallel_size=size))
+                                                        tensor_parallel_size=size, num_threads=torch.get_num_threads()))
         batch = prompts(engine.spec.vocab_size // 4, 4, 8, 200, seed=2)
         start = time.perf_counter()
         tokens.append(greedy_engine(engine, batch, new_tokens))
