@@ -49,7 +49,8 @@ def run_size(model_dir: str, size: int, rounds: int, requests: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.model.tensor_parallel", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.model.tensor_parallel",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help=f"checkpoint dir (default: {BENCH.path}, built if missing)")
     parser.add_argument("--sizes", default="1,2")
     parser.add_argument("--requests", type=int, default=16)
