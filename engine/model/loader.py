@@ -2,7 +2,8 @@
 
 Our parameter names are transformers' without the "model." prefix, except the fused projections, each filled from
 several checkpoint tensors stacked along the output dimension, and a sparse MLP's, under the family's block name. A
-multimodal checkpoint's text model lives under spec.weight_prefix; its other tensors (vision tower, projector) are engine/multimodal/vision.py's and ignored here.
+multimodal checkpoint's text model lives under spec.weight_prefix; its other tensors (vision tower, projector) are
+engine/multimodal/vision.py's and ignored here. A tensor-parallel rank reads only its slices (engine/parallel/shard.py).
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def _moe_names(ours: str, spec: ModelSpec) -> tuple[list[str], int | None]:
         return [name], None
     width = spec.moe.shared_intermediate_size if ".shared_expert." in name else spec.moe.intermediate_size
     return [f"{head}.{part}.{tail}" for part in parts[leaf.strip(".")]], width
+
+
 def _split_rows(fused: str, spec: ModelSpec) -> tuple[int, ...]:
     if fused == "mlp.gate_up_proj":
         return (spec.intermediate_size, spec.intermediate_size)

@@ -1,8 +1,9 @@
 """The sparse MLP of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks top_k experts per
-token; each expert is a SiLU-gated MLP (Qwen2-MoE adds a shared expert every token takes, gated by a sigmoid). Tokens are grouped by expert, so one step runs one gate/up and one down matmul per expert
-it hit, whatever the number of tokens; the experts' outputs are summed in ascending expert order, as transformers'
-loop does, so fp32 results match its own. Each expert's projections are `Linear`s: packed for oneDNN like the dense
-layers' where the CPU runs the dtype there."""
+token; each expert is a SiLU-gated MLP (Qwen2-MoE adds a shared expert every token takes, gated by a sigmoid).
+Tokens are grouped by expert, so one step runs one gate/up and one down matmul per expert it hit, whatever the number
+of tokens; the experts' outputs are summed in ascending expert order, as transformers' loop does, so fp32 results
+match its own. Each expert's projections are `Linear`s: packed for oneDNN like the dense layers' where the CPU runs
+the dtype there."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import datetime
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,18 +69,18 @@ def master_store(size: int) -> dist.TCPStore:
 
 
 class AllReduce:
-    """The sum over the ranks, in place, on a process group: gloo for CPU tensors, NCCL for CUDA ones. Counts its
-    calls and the time spent in them (what tensor parallelism costs a step)."""
+    """The sum over the ranks, in place: `reduce` sums a contiguous tensor in place (a process group's all-reduce, or
+    ShmAllReduce). Counts the calls and the time spent in them (what tensor parallelism costs a step)."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, reduce: Callable[[torch.Tensor], None]):
+        self.reduce = reduce
         self.calls = 0
         self.seconds = 0.0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         x = x.contiguous()
-        self.group.allreduce([x]).wait()
+        self.reduce(x)
         self.calls += 1
         self.seconds += time.perf_counter() - start
         return x
@@ -93,7 +93,7 @@ def join_group(rank: int, size: int, store: dist.Store, device: str = "cpu", shm
     if shm_path is not None and torch.device(device).type == "cpu":
         reduce = ShmAllReduce(shm_path, rank, size, COLLECTIVE_TIMEOUT_S)
         dist.ProcessGroupGloo(store, rank, size, timeout)  # the rendezvous: every rank has mapped the file after it
-        return Shard(rank, size, reduce)
+        return Shard(rank, size, AllReduce(reduce))
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
         options = dist.ProcessGroupNCCL.Options()
@@ -101,7 +101,7 @@ def join_group(rank: int, size: int, store: dist.Store, device: str = "cpu", shm
         group = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
         group = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return Shard(rank, size, AllReduce(group))
+    return Shard(rank, size, AllReduce(lambda x: group.allreduce([x]).wait()))
 
 
 def rank_device(device: str, rank: int) -> str:

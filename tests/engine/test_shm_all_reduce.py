@@ -22,7 +22,8 @@ def _reduce_on_two_ranks(path, parts: list[torch.Tensor]) -> list[torch.Tensor]:
     def run(r: int) -> None:
         try:
             for _ in range(3):  # phases alternate: later calls reuse the first call's slots
-                out[r] = ranks[r](parts[r].clone())
+                out[r] = parts[r].clone()
+                ranks[r](out[r])  # summed in place
         except BaseException as exc:  # reported on the test's thread
             errors.append(exc)
 
