@@ -101,6 +101,15 @@ class Role(_Strict):
     kv_cache_bytes: ByteSize | None = Field(
         None, description="prefill and decode only: this role's KV pool per replica, e.g. a prefill pool sized for "
                           "its prefix cache and a decode pool for its running sequences; unset: engine's.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="prefill and decode only: ranks the model is split over in each replica. A replica is "
+                             "then a placement group of this many bundles, each with the resources above (e.g. "
+                             "num_gpus 1 and {prefill: 1}); rank 0 is the Serve replica, the others actors in its "
+                             "bundles. Prefill and decode may differ: decode reads each of its heads where prefill "
+                             "holds it.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="How a tensor-parallel replica's bundles are placed (Ray's placement group strategies): "
+                            "PACK keeps them on as few nodes as fit (shared memory or NVLink between ranks).")
 
     @field_validator("resources")
     @classmethod
@@ -118,7 +127,15 @@ class Role(_Strict):
             raise ValueError("give either `replicas` or `autoscaling`, not both")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("kv_cache_bytes: must be >= 1 byte")
+        if self.tensor_parallel_size > 1 and not self.bundle():
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size}: each bundle of a replica needs "
+                             "something to reserve: set num_cpus, num_gpus or resources")
         return self
+
+    def bundle(self) -> dict[str, float]:
+        """What one tensor-parallel rank reserves: the replica's resources."""
+        wanted = {"CPU": 1 if self.num_cpus is None else self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {name: amount for name, amount in wanted.items() if amount}
 
     def deployment_options(self) -> dict[str, Any]:
         """Keyword arguments for a Serve deployment's `.options()`: replica count or autoscaling, and placement."""
@@ -130,6 +147,9 @@ class Role(_Strict):
             options["autoscaling_config"] = self.autoscaling.serve_config()
         else:
             options["num_replicas"] = self.replicas or 1
+        if self.tensor_parallel_size > 1:
+            options["placement_group_bundles"] = [self.bundle()] * self.tensor_parallel_size
+            options["placement_group_strategy"] = self.placement_strategy
         return options
 
 
@@ -362,7 +382,23 @@ class RaypdConfig(_Strict):
     def _no_kv_pool(cls, value: Role, info: ValidationInfo) -> Role:
         if value.kv_cache_bytes is not None:
             raise ValueError(f"kv_cache_bytes: {info.field_name} has no KV pool (prefill and decode have)")
+        if value.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size: {info.field_name} runs no model shards (prefill and decode do)")
         return value
+
+    @model_validator(mode="after")
+    def _heads_split(self) -> RaypdConfig:
+        """A tensor-parallel size that does not divide the model's heads, named now rather than by every replica."""
+        text = json.loads((pathlib.Path(self.model) / "config.json").read_text())
+        text = text.get("text_config", text)
+        heads = text.get("num_attention_heads", 0)
+        kv = text.get("num_key_value_heads") or heads
+        for role in ("prefill", "decode"):
+            size = getattr(self, role).tensor_parallel_size
+            if heads and (heads % size or (kv % size if size <= kv else size % kv)):
+                raise ValueError(f"{role}.tensor_parallel_size {size} does not divide the model's "
+                                 f"{heads} attention heads and {kv} KV heads")
+        return self
 
     @field_validator("postproc")
     @classmethod
@@ -412,7 +448,8 @@ class RaypdConfig(_Strict):
                             max_num_seqs=e.max_num_seqs, dtype=self.dtype,
                             device=e.device, num_threads=e.num_threads, seed=e.seed,
                             enable_prefix_caching=e.enable_prefix_caching, kv_lease_s=e.kv_lease_s,
-                            kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key, **pool)
+                            kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key,
+                            tensor_parallel_size=getattr(self, role).tensor_parallel_size if role else 1, **pool)
 
 
 def parse_config(data: Any, source: str = "config") -> RaypdConfig:

@@ -9,6 +9,7 @@ when they meet, not at the first transfer.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import ray
@@ -21,6 +22,7 @@ from encoder.worker import EncoderWorker
 from engine.multimodal.encoder import EncoderConfig
 from engine.core.engine import EngineConfig
 from engine.core.worker import EngineWorker
+from engine.parallel.ranks import RankFailed
 from protocol import PipeAddr
 from prefill.worker import PrefillWorker
 from replica.engine_replica import EngineReplica
@@ -123,7 +125,38 @@ def routing_stats(worker: EngineWorker, role: str) -> dict:
     return {"queued_tokens": load["queued_tokens"], **replica_state(role, keys, load).to_stats()}
 
 
-class PrefillReplica(PrefillWorker):
+class RayRanks:
+    """For prefill and decode replicas: tensor-parallel ranks 1..N-1 as actors in the replica's placement group, and
+    a replica that is gone as a whole when one of them is: Serve then replaces the group, and owners resume what was
+    in flight here elsewhere, as for any lost replica (failing the requests instead would end them with an error)."""
+
+    def _start_ranks(self, model_dir: str, config: EngineConfig):
+        if config.tensor_parallel_size == 1:
+            return None
+        from cluster.serving.ranks import start_ray_ranks
+
+        return start_ray_ranks(model_dir, config, serve.get_replica_context().replica_id.to_full_id_str())
+
+    def check_health(self) -> None:
+        ranks = self.loop.engine.ranks
+        gone = ranks.exited() if ranks is not None else {}
+        if gone:
+            self._leave(RankFailed(f"tensor-parallel ranks gone: {gone}"))
+        super().check_health()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        if isinstance(exc, RankFailed):
+            self._leave(exc)
+        super()._fail_all(exc)
+
+    def _leave(self, why: BaseException) -> None:
+        log.error("this replica's engine lost a tensor-parallel rank (%s): the replica exits so that Serve replaces "
+                  "it whole and its requests resume elsewhere", why)
+        logging.shutdown()
+        os._exit(1)
+
+
+class PrefillReplica(RayRanks, PrefillWorker):
     def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
         postprocs = list(postprocs or [])
         super().__init__(model_dir, config, postproc_addrs(postprocs))
@@ -137,7 +170,7 @@ class PrefillReplica(PrefillWorker):
             self._membership.leave()
 
 
-class DecodeReplica(DecodeWorker):
+class DecodeReplica(RayRanks, DecodeWorker):
     def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
         postprocs = list(postprocs or [])
         # named in Accepted: direct starts find this replica by it

@@ -59,22 +59,20 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
-def _local_ranks(model_dir: str, config: EngineConfig) -> RankGroup | None:
-    """Ranks 1..N-1 as child processes, when the config asks for tensor parallelism."""
+def _local_ranks(model_dir: str, config: EngineConfig, kv_transfer: bool) -> RankGroup | None:
+    """Ranks 1..N-1 as child processes, when the config asks for tensor parallelism (kv_transfer: each exposes
+    its KV pool for hand-offs)."""
     if config.tensor_parallel_size == 1:
         return None
     check_shardable(load_spec(model_dir), config.tensor_parallel_size)  # before any process starts
     from engine.parallel.local import start_local_ranks
 
     return start_local_ranks(model_dir, config.tensor_parallel_size, config.dtype, config.device,
-                             config.num_threads, config.block_size)
+                             config.num_threads, config.block_size, kv_transfer)
 
 
 def nixl_connector(config: EngineConfig) -> KVConnector:
     """The KV connector of engines that exchange KV (prefill and decode roles); imports nixl."""
-    if config.tensor_parallel_size > 1:
-        raise ValueError("KV transfer between tensor-parallel engines is not built yet: serve tensor_parallel_size "
-                         f"{config.tensor_parallel_size} colocated (kv_transfer None)")
     from engine.kv.nixl_connector import NixlConnector
 
     return NixlConnector(config.kv_lease_s, config.kv_transfer_timeout_s, config.cluster_key)
@@ -90,7 +88,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.ranks = ranks or _local_ranks(model_dir, config)
+        self.ranks = ranks or _local_ranks(model_dir, config, connector is not None and connector.per_rank_kv)
         try:
             self._build(model_dir, config, connector)
         except BaseException:
@@ -109,7 +107,8 @@ class LLMEngine:
         self.kv_cache = KVCache(layout, num_blocks, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.connector = connector or NullConnector()
-        self.connector.register_kv_cache(self.kv_cache, self.block_manager.generations, self.spec.fingerprint)
+        self.connector.register_kv_cache(self.kv_cache, self.block_manager.generations, self.spec.fingerprint,
+                                         self.ranks)
         self.scheduler = Scheduler(self.block_manager, self.connector, config.max_num_batched_tokens,
                                    config.max_num_seqs)
         # Logits reach the sampler on the CPU whatever the model's device: the fused sampling kernel serves both.

@@ -13,6 +13,7 @@ from engine.multimodal.image_inputs import ImageInputs, PreparedPrompt
 from engine.kv.kv_connector import EngineCard
 from engine.core.latency import LatencyWindow
 from engine.core.loop import EngineLoop
+from engine.parallel.ranks import RankGroup
 from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import RequestDelta, Resume
 from llmapi.sampling_params import SamplingParams
@@ -29,9 +30,15 @@ class EngineWorker:
         self._streams: dict[int, asyncio.Queue] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._latency = LatencyWindow()  # engine thread only
-        self.loop = EngineLoop(LLMEngine(model_dir, config, nixl_connector(config)), self._on_step, self._fail_all)
+        engine = LLMEngine(model_dir, config, nixl_connector(config), self._start_ranks(model_dir, config))
+        self.loop = EngineLoop(engine, self._on_step, self._fail_all)
         dtype = str(self.loop.engine.model.dtype).removeprefix("torch.")
         self.images = ImageInputs(model_dir, dtype, config.device, config.cluster_key, config.kv_transfer_timeout_s)
+
+    def _start_ranks(self, model_dir: str, config: EngineConfig) -> RankGroup | None:
+        """The engine's other tensor-parallel ranks, started by whoever hosts this worker; None: the engine starts
+        them as child processes of this one when config asks for more than one."""
+        return None
 
     def card(self) -> EngineCard:
         return self.loop.call(lambda e: e.card())

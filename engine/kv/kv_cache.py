@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelSpec
-from engine.parallel.shard import SINGLE, Shard
+from engine.parallel.shard import SINGLE, Shard, kv_head_range
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What two engines must agree on before they exchange blocks."""
+    """An engine's KV blocks: what two engines must agree on before they exchange blocks (all but the tensor-parallel
+    split, which a reader bridges by reading each rank's heads where the other side holds them: engine/kv/head_reads.py)."""
 
     num_layers: int
     num_kv_heads: int  # in one rank's pool
@@ -24,12 +25,22 @@ class KVLayout:
     block_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
     tp_size: int = 1  # tensor-parallel ranks, each with a pool of its KV heads
+    model_kv_heads: int = 0  # the whole model's KV heads; 0 is filled in as num_kv_heads (one rank)
+
+    def __post_init__(self):
+        if not self.model_kv_heads:
+            object.__setattr__(self, "model_kv_heads", self.num_kv_heads)
 
     @classmethod
     def of(cls, spec: ModelSpec, block_size: int, dtype: str, shard: Shard = SINGLE) -> KVLayout:
         """A model's KV layout at a block size and run dtype, in one rank's pool: the one rule, used by the engine
         and by the edge (which sizes its limits from it before any engine exists)."""
-        return cls(spec.num_layers, shard.num_kv_heads(spec), spec.head_dim, block_size, dtype, shard.size)
+        return cls(spec.num_layers, shard.num_kv_heads(spec), spec.head_dim, block_size, dtype, shard.size,
+                   spec.num_kv_heads)
+
+    def rank_heads(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of the model's KV heads that rank `rank`'s pool holds, in this order in each block."""
+        return kv_head_range(self.model_kv_heads, self.tp_size, rank)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -20,6 +20,7 @@ import torch
 from engine.kv.kv_cache import KVCache, KVLayout
 from engine.kv.kv_handle import KVHandle
 from engine.core.request import Sequence
+from engine.parallel.ranks import RankGroup
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,10 @@ class EngineCard:
     """What one engine tells another when they first meet: how to reach its KV and what its KV is."""
 
     name: str
-    transport_info: bytes
+    transport_info: bytes  # rank 0's
     layout: KVLayout
     fingerprint: str
+    rank_transport_infos: tuple[bytes, ...] = ()  # ranks 1..N-1's, under tensor parallelism
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,12 @@ class ConnectorStats:
 class KVConnector(ABC):
     """The engine calls these from its one thread. Each method says what it changes."""
 
-    def register_kv_cache(self, kv_cache: KVCache, generations: torch.Tensor, fingerprint: str) -> None:
-        """Called once by the engine that owns the arena, before anything else. Mutates the connector only."""
+    per_rank_kv = False  # whether each tensor-parallel rank must expose its KV pool (started before the connector)
+
+    def register_kv_cache(self, kv_cache: KVCache, generations: torch.Tensor, fingerprint: str,
+                          ranks: RankGroup | None = None) -> None:
+        """Called once by the engine that owns the arena (rank 0's), before anything else; ranks: the engine's
+        other tensor-parallel ranks (their pools exposed, when per_rank_kv). Mutates the connector only."""
 
     @abstractmethod
     def card(self) -> EngineCard:

@@ -34,7 +34,7 @@ class InvalidHandle(ValueError):
 @dataclass(frozen=True)
 class KVHandle:
     ctx_request_id: int
-    agent: str  # the prefill engine's transport name
+    agent: str  # the prefill engine's transport name (its rank 0's)
     transport_info: bytes  # what a peer needs to connect to that transport
     block_ids: tuple[int, ...]
     generations: tuple[int, ...]  # each block's allocation count when the lease began; a changed one was reused
@@ -48,10 +48,17 @@ class KVHandle:
     # The prompt's images as (content hash, offset, length): the decode side keys its prefix cache with them, so
     # text-identical prompts with other images never share blocks there either. Never their embeddings.
     mm_items: tuple[tuple[tuple[int, ...], int, int], ...] = ()
+    rank_transport_infos: tuple[bytes, ...] = ()  # ranks 1..N-1's transports, under tensor parallelism
+
+    @property
+    def transports(self) -> tuple[bytes, ...]:
+        """Every rank's transport info, rank 0 first."""
+        return (self.transport_info, *self.rank_transport_infos)
 
     def sign(self, key: bytes | None) -> bytes:
         body = dataclasses.asdict(self)
         body["transport_info"] = base64.b64encode(self.transport_info).decode()
+        body["rank_transport_infos"] = [base64.b64encode(i).decode() for i in self.rank_transport_infos]
         return sign_json(body, key, _CONTEXT)
 
     @classmethod
@@ -64,6 +71,7 @@ class KVHandle:
         body["first_logprobs"] = tuple(body["first_logprobs"])
         body["first_top_logprobs"] = tuple(tuple(tuple(t) for t in top) for top in body["first_top_logprobs"])
         body["mm_items"] = tuple((tuple(h), offset, length) for h, offset, length in body.get("mm_items", ()))
+        body["rank_transport_infos"] = tuple(base64.b64decode(i) for i in body.get("rank_transport_infos", ()))
         return cls(**body)
 
 
@@ -113,13 +121,25 @@ def open_release(message: bytes, key: bytes | None) -> str | None:
     return body.decode() if ok else None
 
 
+# What a reader bridges: each side's tensor-parallel split of the same heads (engine/kv/head_reads.py).
+_SPLIT_FIELDS = ("num_kv_heads", "tp_size")
+
+
 def compatibility_problems(mine: KVLayout, my_fingerprint: str, theirs: KVLayout, their_fingerprint: str) -> list[str]:
-    """Every difference that makes two engines' KV blocks incompatible, named."""
+    """Every difference that makes two engines' KV blocks incompatible, named. Different tensor-parallel sizes are
+    compatible: the reader takes each of its heads from a rank of the other side that holds it."""
     problems = [
         f"{f.name}: {getattr(theirs, f.name)} (peer) vs {getattr(mine, f.name)} (here)"
         for f in dataclasses.fields(KVLayout)
-        if getattr(theirs, f.name) != getattr(mine, f.name)
+        if f.name not in _SPLIT_FIELDS and getattr(theirs, f.name) != getattr(mine, f.name)
     ]
     if their_fingerprint != my_fingerprint:
         problems.insert(0, f"model fingerprint: {their_fingerprint[:12]} (peer) vs {my_fingerprint[:12]} (here)")
+    if problems:
+        problems.append(f"(peer layout {_describe(theirs)}; here {_describe(mine)})")
     return problems
+
+
+def _describe(layout: KVLayout) -> str:
+    return (f"{layout.num_layers} layers x {layout.model_kv_heads} KV heads x {layout.head_dim}, blocks of "
+            f"{layout.block_size} tokens, {layout.dtype}, over {layout.tp_size} rank(s)")

@@ -153,6 +153,36 @@ class BlockDescs:
         return [(self.base_addr + i * self.block_bytes, self.block_bytes) for i in self.block_ids]
 
 
+@dataclass(frozen=True)
+class BlockSpans:
+    """The same parts of several blocks: local[i] and remote[i] are (offset in a block, length) pairs of equal
+    lengths, read for each pair of (remote_blocks[j], local_blocks[j])."""
+
+    remote_blocks: tuple[int, ...]
+    local_blocks: tuple[int, ...]
+    remote: np.ndarray  # (S, 2) uint64
+    local: np.ndarray  # (S, 2) uint64
+
+    def __post_init__(self):
+        if self.remote.shape != self.local.shape or self.remote.ndim != 2 or self.remote.shape[1] != 2:
+            raise ValueError(f"span tables must both be (S, 2), got {self.remote.shape} and {self.local.shape}")
+        if not np.array_equal(self.remote[:, 1], self.local[:, 1]):
+            raise ValueError("each remote span must be as long as its local one")
+
+    @staticmethod
+    def rows(base_addr: int, block_bytes: int, block_ids: tuple[int, ...], spans: np.ndarray,
+             device_id: int) -> np.ndarray:
+        """(len(block_ids) * S, 3) NIXL rows (address, length, device): every span of every block, block-major."""
+        if spans.size and int((spans[:, 0] + spans[:, 1]).max()) > block_bytes:
+            raise ValueError(f"a span reaches past the end of a {block_bytes}-byte block")
+        starts = np.uint64(base_addr) + np.asarray(block_ids, dtype=np.uint64)[:, None] * np.uint64(block_bytes)
+        rows = np.empty((len(block_ids), len(spans), 3), dtype=np.uint64)
+        rows[:, :, 0] = starts + spans[None, :, 0]
+        rows[:, :, 1] = spans[None, :, 1]
+        rows[:, :, 2] = device_id
+        return rows.reshape(-1, 3)
+
+
 @dataclass(eq=False)
 class ReadHandle:
     """One read in flight. Opaque to callers except for `released` and `peer_name`."""
@@ -339,9 +369,6 @@ class NixlTransport(KVTransport):
         info = TransportInfo.from_bytes(peer_metadata)
         if info.agent_name != peer_name:
             raise ValueError(f"metadata for peer {peer_name!r} names agent {info.agent_name!r}")
-        if info.block_bytes != self._block_bytes:
-            raise ValueError(f"peer {peer_name!r} has {info.block_bytes}-byte blocks, ours are {self._block_bytes}: "
-                             "the KV layouts differ")
         known = self._peers.get(peer_name)
         if known is not None and known.info == info:
             return
@@ -383,18 +410,44 @@ class NixlTransport(KVTransport):
         if region not in self._local or region not in peer.dlists:
             side = "our side" if region not in self._local else "the peer"
             raise ValueError(f"read from peer {peer_name!r}: no {region!r} region on {side}")
+        if region == BLOCKS and peer.info.block_bytes != self._block_bytes:
+            raise ValueError(f"read from peer {peer_name!r}: its blocks are {peer.info.block_bytes} bytes, ours "
+                             f"{self._block_bytes}: the KV layouts differ (read head slices with start_read_spans)")
         remote = _remote_ids(peer.info, remote_blocks)
         local = _checked_ids(local_block_ids, self._num_blocks, f"our ({self.name!r}) block")
         if len(local) != len(remote):
             raise ValueError(f"read from peer {peer_name!r}: {len(remote)} remote blocks but {len(local)} local ones")
         if len(set(local)) != len(local):
             raise ValueError(f"read from peer {peer_name!r}: local block ids repeat: {list(local)}")
+        return self._start(peer_name, len(local), lambda: self._agent.makeXferReq(
+            nixl_bind.NIXL_READ, self._local[region], list(local), peer.dlists[region], list(remote), bytes(notif),
+            [], False))
+
+    def start_read_spans(self, peer_name: str, spans: BlockSpans, notif: bytes = b"") -> ReadHandle:
+        """Starts reading parts of the peer's blocks into parts of ours: spans.remote[i] (offset in its block,
+        length) of peer block remote_blocks[j] into spans.local[i] of our block local_blocks[j], for every i and j
+        (a tensor-parallel rank's KV heads out of another split's blocks). Refuses spans outside a block
+        (ValueError). Mutates our local blocks, asynchronously."""
+        self._check_open()
+        info = self._peer(peer_name).info
+        remote = _remote_ids(info, spans.remote_blocks)
+        local = _checked_ids(spans.local_blocks, self._num_blocks, f"our ({self.name!r}) block")
+        if len(local) != len(remote) or len(set(local)) != len(local):
+            raise ValueError(f"read from peer {peer_name!r}: {len(remote)} remote and {len(local)} local blocks, "
+                             "pairwise and without repeats")
+        remote_rows = spans.rows(info.base_addr, info.block_bytes, remote, spans.remote, info.device_id)
+        local_rows = spans.rows(self._info.base_addr, self._block_bytes, local, spans.local, self._info.device_id)
+        remote_list = nixl_bind.nixlXferDList(_MEM_SEGS[info.mem_type], remote_rows)
+        local_list = nixl_bind.nixlXferDList(_MEM_SEGS[self._info.mem_type], local_rows)
+        return self._start(peer_name, len(local), lambda: self._agent.createXferReq(
+            nixl_bind.NIXL_READ, local_list, remote_list, peer_name, bytes(notif), []))
+
+    def _start(self, peer_name: str, num_blocks: int, make) -> ReadHandle:
         try:
-            xfer = self._agent.makeXferReq(nixl_bind.NIXL_READ, self._local[region], list(local),
-                                           peer.dlists[region], list(remote), bytes(notif), [], False)
+            xfer = make()
         except _NIXL_ERRORS as e:
             raise self._failed(peer_name, e, "prepare a read") from e
-        handle = ReadHandle(peer_name, xfer, len(local))
+        handle = ReadHandle(peer_name, xfer, num_blocks)
         self._inflight.add(handle)
         self._post(handle)
         return handle

@@ -14,15 +14,18 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.kv.kv_cache import KVCache
+from engine.kv.head_reads import CancelRead, RankImport, ReadOrder
 from engine.kv.kv_connector import ConnectorEvents, ConnectorStats, EngineCard, ImportPlan, KVConnector
 from engine.kv.kv_handle import KVHandle, compatibility_problems, open_release, release_message
 from engine.kv.kv_transfer import GENERATIONS, NixlTransport, ReadHandle, TransferError
 from engine.core.request import Sequence
+from engine.parallel.ranks import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -89,38 +92,60 @@ class LeaseTable:
 
 @dataclass(eq=False)
 class KVImport:
-    """A generation-only request whose prompt KV is on its way from a prefill engine."""
+    """A generation-only request whose prompt KV is on its way from a prefill engine: each rank of this engine reads
+    its heads (rank 0 here, the others told by a ReadOrder), then rank 0 reads the blocks' generation numbers."""
 
     plan: ImportPlan
+    key: int
     deadline: float  # time.monotonic()
     started: float
-    read: ReadHandle | None = None
+    reads: RankImport | None = None  # rank 0's
+    waiting: set[int] = field(default_factory=set)  # the other ranks still reading
+    error: str | None = None  # why a rank's read failed
+    bytes_read: int = 0
+    read: ReadHandle | None = None  # the generations' read
     stage: str = "blocks"  # then "generations"
 
 
 class NixlConnector(KVConnector):
+    per_rank_kv = True
+
     def __init__(self, lease_seconds: float, transfer_timeout_s: float, cluster_key: bytes | None):
         self._key = cluster_key
         self.transfer_timeout_s = transfer_timeout_s
         self.leases = LeaseTable(lease_seconds, cluster_key)
         self._imports: dict[Sequence, KVImport] = {}
+        self._by_key: dict[int, KVImport] = {}
+        self._keys = itertools.count(1)
+        self._ranks: RankGroup | None = None
+        self._rank_infos: tuple[bytes, ...] = ()
         self._failed: list[tuple[Sequence, str]] = []  # imports that failed before any read, reported at next poll
         self._peers: set[str] = set()
         self._stats = ConnectorStats()
         self.transport: NixlTransport | None = None
 
-    def register_kv_cache(self, kv_cache: KVCache, generations: torch.Tensor, fingerprint: str) -> None:
+    def register_kv_cache(self, kv_cache: KVCache, generations: torch.Tensor, fingerprint: str,
+                          ranks: RankGroup | None = None) -> None:
         self._layout, self._fingerprint, self._generations = kv_cache.layout, fingerprint, generations
+        self._ranks = ranks
+        self._rank_infos = ranks.kv_transports if ranks is not None else ()
+        if len(self._rank_infos) != self._layout.tp_size - 1:
+            raise ValueError(f"{self._layout.tp_size} tensor-parallel ranks but {len(self._rank_infos)} other ranks "
+                             "expose their KV pools")
         self.transport = NixlTransport(f"raypd-{uuid.uuid4().hex[:12]}", kv_cache, generations=generations)
 
     # ---- meeting peers ----
     def card(self) -> EngineCard:
-        return EngineCard(self.transport.name, self.transport.metadata(), self._layout, self._fingerprint)
+        return EngineCard(self.transport.name, self.transport.metadata(), self._layout, self._fingerprint,
+                          self._rank_infos)
 
     def meet(self, card: EngineCard) -> None:
         if card.name in self._peers:
             return
         problems = compatibility_problems(self._layout, self._fingerprint, card.layout, card.fingerprint)
+        if len(card.rank_transport_infos) != card.layout.tp_size - 1:
+            problems.append(f"it has {card.layout.tp_size} ranks but names {len(card.rank_transport_infos) + 1} "
+                            "ranks' transports")
         if problems:
             raise ValueError(f"engine {card.name!r} is incompatible with this one: " + "; ".join(problems))
         self.transport.connect(card.name, card.transport_info)
@@ -135,7 +160,8 @@ class NixlConnector(KVConnector):
         return handle
 
     def _meet_owner(self, handle: KVHandle) -> None:
-        self.meet(EngineCard(handle.agent, handle.transport_info, handle.layout, handle.fingerprint))
+        self.meet(EngineCard(handle.agent, handle.transport_info, handle.layout, handle.fingerprint,
+                             handle.rank_transport_infos))
 
     # ---- prefill side ----
     def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs, mm_items=()) -> bytes:
@@ -146,6 +172,7 @@ class NixlConnector(KVConnector):
             layout=self._layout, fingerprint=self._fingerprint, lease_deadline=deadline, lease_id=lease_id,
             first_logprobs=tuple(first_logprobs), first_top_logprobs=tuple(first_top_logprobs),
             mm_items=tuple((tuple(i.content_hash), i.offset, i.length) for i in mm_items),
+            rank_transport_infos=self._rank_infos,
         )
         return handle.sign(self._key)
 
@@ -161,7 +188,8 @@ class NixlConnector(KVConnector):
                                            f"{left:.1f} s left, too little to read it"))
             return
         now = time.monotonic()
-        imp = self._imports[plan.seq] = KVImport(plan, now + self.transfer_timeout_s, now)
+        imp = self._imports[plan.seq] = KVImport(plan, next(self._keys), now + self.transfer_timeout_s, now)
+        self._by_key[imp.key] = imp
         try:
             if not plan.remote_blocks:  # every block was in this engine's prefix cache: nothing to read
                 self.release_unread(handle)
@@ -169,15 +197,33 @@ class NixlConnector(KVConnector):
                 return
             if handle.agent not in self._peers:
                 self._meet_owner(handle)  # again: the peer may be reachable now
-            imp.read = self._read(imp, "blocks", b"")
+            order = ReadOrder(imp.key, handle.layout, handle.transports, plan.remote_blocks, plan.local_blocks)
+            imp.reads = RankImport(self.transport, self._layout, 0, order)
+            if self._ranks is not None:
+                with self._ranks.guard():
+                    self._ranks.send(order)
+                imp.waiting = set(range(1, self._ranks.size))
         except (TransferError, ValueError) as e:
-            del self._imports[plan.seq]
+            self._forget(imp)
             self._failed.append((plan.seq, str(e)))
 
-    def cancel_import(self, seq: Sequence) -> None:
-        imp = self._imports.pop(seq, None)
-        if imp is not None and imp.read is not None:
+    def _forget(self, imp: KVImport) -> None:
+        """Stops every read of the import still running, on every rank, and drops it."""
+        self._imports.pop(imp.plan.seq, None)
+        self._by_key.pop(imp.key, None)
+        if imp.reads is not None:
+            imp.reads.cancel()
+        if imp.read is not None:
             self.transport.cancel(imp.read)
+        if imp.waiting:
+            with self._ranks.guard():
+                self._ranks.send(CancelRead(imp.key))
+            imp.waiting.clear()
+
+    def cancel_import(self, seq: Sequence) -> None:
+        imp = self._imports.get(seq)
+        if imp is not None:
+            self._forget(imp)
         self._failed = [(s, why) for s, why in self._failed if s is not seq]
 
     def release_unread(self, handle: KVHandle) -> None:
@@ -188,37 +234,53 @@ class NixlConnector(KVConnector):
         except TransferError as e:  # the lease ends on its own
             log.info("could not release context request %d early: %s", handle.ctx_request_id, e)
 
-    def _read(self, imp: KVImport, region: str, notif: bytes) -> ReadHandle:
-        p = imp.plan
-        return self.transport.start_read(p.handle.agent, p.remote_blocks, p.local_blocks, notif, region=region)
-
     # ---- polling ----
     def poll(self) -> ConnectorEvents:
         ended = self.leases.released(self.transport.poll_notifications()) + self.leases.expired()
+        self._hear_ranks()
         done, self._failed = list(self._failed), []
         for seq, imp in list(self._imports.items()):
             outcome = self._advance(imp)
             if outcome is not False:
-                del self._imports[seq]
+                self._forget(imp)
                 done.append((seq, outcome))
         return ConnectorEvents(tuple(done), tuple(ended))
 
+    def _hear_ranks(self) -> None:
+        """The other ranks' reads that ended since the last poll."""
+        if self._ranks is None or not self._by_key:
+            return
+        for done in self._ranks.reports():
+            imp = self._by_key.get(done.key)
+            if imp is None or done.rank not in imp.waiting:  # cancelled meanwhile
+                continue
+            imp.waiting.discard(done.rank)
+            imp.bytes_read += done.bytes_read
+            if done.error is not None:
+                imp.error = imp.error or f"tensor-parallel rank {done.rank}: {done.error}"
+
     def _advance(self, imp: KVImport) -> str | None | bool:
-        """False while in flight; None when the KV is in place and valid; else the reason it is not."""
+        """False while in flight; None when the KV is in place and valid; else the reason it is not (the import's
+        reads still running are stopped by the caller)."""
         if imp.stage == "done":
             return None
         handle = imp.plan.handle
+        if time.monotonic() > imp.deadline:
+            return f"reading the prompt KV from {handle.agent!r} took longer than {self.transfer_timeout_s} s"
+        if imp.error is not None:
+            return imp.error
         try:
-            if time.monotonic() > imp.deadline:
-                self.transport.cancel(imp.read)
-                return f"reading the prompt KV from {handle.agent!r} took longer than {self.transfer_timeout_s} s"
-            if not self.transport.poll(imp.read):
-                return False
             if imp.stage == "blocks":
-                imp.stage = "generations"
-                imp.read = self._read(imp, GENERATIONS, release_message(handle.lease_id, self._key))
-                if not self.transport.poll(imp.read):  # a few bytes: usually done at once, so no extra step
+                if not imp.reads.poll() or imp.waiting:
                     return False
+                imp.bytes_read += imp.reads.bytes_read
+                # Every rank has its heads: now the blocks' generations, and the release rides on that read.
+                imp.stage = "generations"
+                p = imp.plan
+                imp.read = self.transport.start_read(handle.agent, p.remote_blocks, p.local_blocks,
+                                                     release_message(handle.lease_id, self._key), region=GENERATIONS)
+            if not self.transport.poll(imp.read):  # a few bytes: usually done at once, so no extra step
+                return False
         except TransferError as e:
             return str(e)
         return self._validate(imp)
@@ -231,7 +293,7 @@ class NixlConnector(KVConnector):
         if seen != expected:
             return (f"KV blocks of context request {p.handle.ctx_request_id} were reused on {p.handle.agent!r} "
                     "while being read (lease ended)")
-        self._stats.kv_bytes_read += len(p.local_blocks) * p.handle.layout.block_bytes
+        self._stats.kv_bytes_read += imp.bytes_read
         self._stats.last_import_s = time.monotonic() - imp.started
         return None
 

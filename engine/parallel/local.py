@@ -18,7 +18,7 @@ import torch
 from engine.parallel.shm import ShmAllReduce
 from engine.parallel.ranks import START_TIMEOUT_S, RankGroup, RankSetup, master_store, rank_device
 
-_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # where `engine` imports from
 
 
@@ -42,13 +42,15 @@ class LocalRanks:
 
 
 def start_local_ranks(model_dir: str, size: int, dtype: str | None, device: str, num_threads: int | None,
-                      block_size: int) -> RankGroup:
+                      block_size: int, kv_transfer: bool = False) -> RankGroup:
     """Starts ranks 1..size-1 and joins the group with them; this process is rank 0. Each rank runs num_threads
-    torch threads, or an equal share of this host's cores (this process's count is set to match)."""
+    torch threads, or an equal share of this host's cores (this process's count is set to match). kv_transfer:
+    each rank exposes its KV pool on a NIXL agent of its own."""
     threads = num_threads or max(1, (os.cpu_count() or 1) // size)
     torch.set_num_threads(threads)
     store, members, channels = master_store(size), LocalRanks(), []
-    shm_path = os.path.join(_SHM_DIR, f"raypd-tp-{uuid.uuid4().hex}")
+    group_id = uuid.uuid4().hex
+    shm_path = os.path.join(SHM_DIR, f"raypd-tp-{group_id}")
     ShmAllReduce.create(shm_path, size)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
     try:
@@ -60,7 +62,8 @@ def start_local_ranks(model_dir: str, size: int, dtype: str | None, device: str,
             theirs.close()
             channels.append(Connection(mine.detach()))
             channels[-1].send(RankSetup(rank, size, "127.0.0.1", store.port, str(model_dir), dtype,
-                                        rank_device(device, rank), threads, block_size, shm_path))
+                                        rank_device(device, rank), threads, block_size, shm_path,
+                                        f"raypd-{group_id[:12]}-r{rank}" if kv_transfer else None))
         group = RankGroup(channels, members, store)
         group.join(time.monotonic() + START_TIMEOUT_S, device, shm_path)
         return group

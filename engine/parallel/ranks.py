@@ -46,6 +46,14 @@ class RankSetup:
     num_threads: int | None
     block_size: int
     shm_path: str | None = None  # ranks on one host's CPUs all-reduce through this file (engine/parallel/shm.py)
+    kv_agent: str | None = None  # the name of this rank's NIXL agent over its KV pool; None: the engine moves no KV
+
+
+@dataclass(frozen=True)
+class RankReady:
+    """A rank has its shard and KV pool. kv_transport: how peers reach that pool (TransportInfo bytes), if exposed."""
+
+    kv_transport: bytes | None = None
 
 
 class RankFailed(RuntimeError):
@@ -62,9 +70,10 @@ class Members(Protocol):
         """Waits up to timeout_s for the ranks to end (they were told to), then kills what is left. Idempotent."""
 
 
-def master_store(size: int) -> dist.TCPStore:
-    """The store the ranks rendezvous on, served by rank 0's process on a free port of this host (store.port)."""
-    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+def master_store(size: int, host: str = "127.0.0.1") -> dist.TCPStore:
+    """The store the ranks rendezvous on, served by rank 0's process on a free port of this host (store.port), which
+    the other ranks reach at host."""
+    return dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
 
 
@@ -121,6 +130,7 @@ class RankGroup:
         self._members = members
         self._store = store  # the master of the rendezvous: it must outlive the group
         self._closed = False
+        self.kv_transports: tuple[bytes, ...] = ()  # ranks 1..N-1's, when their pools are exposed (RankReady)
 
     def join(self, deadline: float, device: str = "cpu", shm_path: str | None = None) -> Shard:
         """Waits (until deadline, time.monotonic()) for every rank to start, then joins the group with them."""
@@ -133,8 +143,9 @@ class RankGroup:
         """Tells every rank its KV pool size and waits (until deadline, time.monotonic()) for each to be ready."""
         for channel in self._channels:
             channel.send(num_blocks)
-        for rank, channel in enumerate(self._channels, 1):
-            self.receive(rank, channel, deadline, "build its model shard")
+        ready = [self.receive(rank, channel, deadline, "build its model shard")
+                 for rank, channel in enumerate(self._channels, 1)]
+        self.kv_transports = tuple(r.kv_transport for r in ready if r.kv_transport is not None)
 
     def receive(self, rank: int, channel, deadline: float, doing: str):
         """The next message from rank; RankFailed if it exits or the deadline passes first."""
@@ -152,6 +163,19 @@ class RankGroup:
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for channel in self._channels:
             channel.send_bytes(data)
+
+    def exited(self) -> dict[int, str]:
+        """rank -> how it ended, for the other ranks that are gone."""
+        return self._members.exited()
+
+    def reports(self) -> list:
+        """What the other ranks have said since the last call (engine/kv/head_reads.ReadDone), without waiting."""
+        said = []
+        with self.guard():
+            for channel in self._channels:
+                while channel.poll(0):
+                    said.append(channel.recv())
+        return said
 
     @contextlib.contextmanager
     def guard(self):

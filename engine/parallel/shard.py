@@ -46,14 +46,20 @@ class Shard:
 
     def kv_heads(self, spec: ModelSpec) -> slice:
         """The KV heads this rank's query heads read: a slice of them, or the one head several ranks share."""
-        if self.size <= spec.num_kv_heads:
-            return self.split(spec.num_kv_heads)
-        head = self.rank // (self.size // spec.num_kv_heads)
-        return slice(head, head + 1)
+        return slice(*kv_head_range(spec.num_kv_heads, self.size, self.rank))
 
     def num_kv_heads(self, spec: ModelSpec) -> int:
         kv = self.kv_heads(spec)
         return kv.stop - kv.start
+
+
+def kv_head_range(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of the KV heads rank `rank` of `size` holds: an equal slice of them, or, with more ranks than
+    heads, the one head each run of size // num_kv_heads consecutive ranks shares."""
+    if size <= num_kv_heads:
+        return rank * num_kv_heads // size, (rank + 1) * num_kv_heads // size
+    head = rank // (size // num_kv_heads)
+    return head, head + 1
 
 
 def check_shardable(spec: ModelSpec, size: int) -> None:

@@ -143,5 +143,3 @@ def test_a_killed_rank_fails_its_requests_and_the_llm_says_so(tiny_llama):
 def test_what_cannot_be_split_is_refused_before_any_rank_starts(tiny_llama):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide .*num_attention_heads 4"):
         tp_llm(tiny_llama, 3)
-    with pytest.raises(ValueError, match="KV transfer between tensor-parallel engines"):
-        tp_llm(tiny_llama, 2, kv_transfer="nixl")

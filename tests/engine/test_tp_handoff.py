@@ -1,0 +1,134 @@
+"""KV hand-off between engines of different tensor-parallel sizes: each decode rank reads its own heads from the
+prefill rank(s) that hold them. First the geometry alone (spans applied to arrays), then real engines: rank processes,
+NIXL agents per rank, against colocated tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from engine.kv.head_reads import head_reads, head_spans
+from engine.kv.kv_cache import KVLayout
+from raypd import LLM, DisaggregatedParams, SamplingParams
+from tests.pools import wait_pools_full
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 3, 4, 8, 4
+
+
+def layout(tp: int, heads: int = HEADS) -> KVLayout:
+    per_rank = max(1, heads // tp)
+    return KVLayout(LAYERS, per_rank, HEAD_DIM, BLOCK, "float32", tp, heads)
+
+
+def rank_blocks(whole: torch.Tensor, kv: KVLayout, rank: int) -> torch.Tensor:
+    """One rank's pool cut out of a whole-model pool (blocks, layers, 2, block_size, heads, head_dim)."""
+    start, stop = kv.rank_heads(rank)
+    return whole[..., start:stop, :].contiguous()
+
+
+def apply(reads_into: torch.Tensor, local: KVLayout, rank: int, remote: KVLayout, remote_pools: list, blocks) -> int:
+    """Copies what head_reads/head_spans say, byte by byte, from remote pools into a local one; bytes moved."""
+    moved, dst = 0, reads_into.view(torch.uint8).numpy().reshape(reads_into.shape[0], -1)
+    for read in head_reads(local, rank, remote):
+        src = remote_pools[read.remote_rank].view(torch.uint8).numpy().reshape(remote_pools[0].shape[0], -1)
+        if read.whole:
+            spans = np.array([[0, local.block_bytes]], dtype=np.uint64)
+            remote_spans = local_spans = spans
+        else:
+            remote_spans, local_spans = head_spans(read, local, rank, remote)
+        for remote_block, local_block in blocks:
+            for (r_off, length), (l_off, _) in zip(remote_spans.tolist(), local_spans.tolist()):
+                dst[local_block, l_off:l_off + length] = src[remote_block, r_off:r_off + length]
+                moved += length
+    return moved
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp, heads", [(2, 1, 4), (1, 2, 4), (2, 2, 4), (4, 2, 4), (2, 4, 4),
+                                                          (4, 1, 2), (1, 4, 2), (4, 4, 2)])
+def test_each_decode_rank_reads_exactly_its_heads(prefill_tp, decode_tp, heads):
+    """Whatever the two splits (more ranks than heads included: a replicated head is read once per rank that holds
+    it), each decode rank ends with exactly its heads of the prefill side's blocks, and reads nothing else."""
+    whole = torch.randn(6, LAYERS, 2, BLOCK, heads, HEAD_DIM)
+    remote, local = layout(prefill_tp, heads), layout(decode_tp, heads)
+    pools = [rank_blocks(whole, remote, r) for r in range(prefill_tp)]
+    blocks = [(5, 0), (1, 3), (2, 2)]  # (prefill block, decode block)
+    for rank in range(decode_tp):
+        got = torch.full((4, LAYERS, 2, BLOCK, local.num_kv_heads, HEAD_DIM), float("nan"))
+        moved = apply(got, local, rank, remote, pools, blocks)
+        want = rank_blocks(whole, local, rank)
+        for remote_block, local_block in blocks:
+            assert torch.equal(got[local_block], want[remote_block]), (prefill_tp, decode_tp, rank)
+        assert moved == len(blocks) * local.block_bytes  # its heads, once each
+    assert all(r.whole for r in head_reads(local, 0, remote)) == (prefill_tp == decode_tp)
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, n=2, seed=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(model_factory):
+    """One engine of each size, exchanging KV: the TP1 one is also the colocated reference."""
+    model = model_factory("llama")
+    config = dict(block_size=4, dtype="float32", num_threads=1, kv_transfer="nixl")
+    with LLM(model, **config) as tp1, LLM(model, tensor_parallel_size=2, **config) as tp2a, \
+            LLM(model, tensor_parallel_size=2, **config) as tp2b:
+        yield {"tp1": tp1, "tp2a": tp2a, "tp2b": tp2b}
+
+
+def hand_off(ctx: LLM, gen: LLM, prompt, params: SamplingParams):
+    c = ctx.generate(prompt, params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+    dp = c.disaggregated_params
+    dp.request_type = "generation_only"
+    return gen.generate(prompt, params, disaggregated_params=dp)
+
+
+@pytest.mark.parametrize("prefill, decode", [("tp2a", "tp1"), ("tp1", "tp2a"), ("tp2a", "tp2b")],
+                         ids=["P2-D1", "P1-D2", "P2-D2"])
+def test_handoff_across_tp_gives_colocated_tokens_and_reads_each_head_once(engines, prefill, decode):
+    """Greedy and seeded n=2, then the same prompt again: the decode side holds its first blocks and reads only the
+    last, partial one (on every rank). Bytes read are the whole model's KV of the blocks read, once."""
+    ctx, gen, reference = engines[prefill], engines[decode], engines["tp1"]
+    model_block_bytes = reference.engine.kv_cache.layout.block_bytes
+    for k, params in enumerate([GREEDY, SEEDED]):
+        shift = k * 101 + sorted(engines).index(prefill) * 7 + sorted(engines).index(decode) * 29
+        prompt = [7 + (i * 37 + shift) % 3000 for i in range(30)]  # 7 blocks + 2, new to both engines
+        salted = dataclasses.replace(params, cache_salt="reference")  # leaves the decode side's prefix cache cold
+        want = [o.token_ids for o in reference.generate(prompt, salted).outputs]
+        for read_blocks in (8, 1):
+            before = gen.engine.connector.stats().kv_bytes_read
+            got = hand_off(ctx, gen, prompt, params)
+            assert [o.token_ids for o in got.outputs] == want, (prefill, decode, read_blocks)
+            assert gen.engine.connector.stats().kv_bytes_read - before == read_blocks * model_block_bytes
+            assert gen.engine.stats()["num_reprefills"] == 0
+    wait_pools_full(ctx, gen)
+
+
+def test_the_handle_and_card_name_every_prefill_rank(engines):
+    card = engines["tp2a"].engine.card()
+    assert card.layout.tp_size == 2 and card.layout.model_kv_heads == 2 and len(card.rank_transport_infos) == 1
+    assert engines["tp1"].engine.card().rank_transport_infos == ()
+
+
+def test_a_dead_prefill_rank_makes_the_decode_side_prefill_itself(model_factory, engines):
+    """A prefill engine's rank 1 is killed after its prompt was prefilled: decode's read of rank 1's heads fails,
+    named, and the decode engine computes the prompt itself; the tokens are the colocated ones."""
+    model = model_factory("llama")
+    gen, reference = engines["tp1"], engines["tp1"]
+    prompt = [11 + (i * 53) % 3000 for i in range(18)]
+    want = [o.token_ids for o in reference.generate(prompt, GREEDY).outputs]
+    with LLM(model, tensor_parallel_size=2, block_size=4, dtype="float32", num_threads=1, kv_transfer="nixl") as ctx:
+        c = ctx.generate(prompt, GREEDY, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+        os.kill(ctx.engine.ranks._members.procs[1].pid, signal.SIGKILL)
+        ctx.engine.ranks._members.procs[1].wait(10)
+        dp = c.disaggregated_params
+        dp.request_type = "generation_only"
+        before = gen.engine.stats()["num_reprefills"]
+        got = gen.generate(prompt, GREEDY, disaggregated_params=dp)
+        assert [o.token_ids for o in got.outputs] == want
+        assert gen.engine.stats()["num_reprefills"] == before + 1
