@@ -16,7 +16,7 @@ import time
 
 from pydantic import ByteSize
 
-from cluster.config import ConfigError, RaypdConfig, Role, load_config
+from cluster.config import ConfigError, RaypdConfig, Role, load_config, placement_problems
 
 
 def _add_config_schema(sub) -> None:
@@ -32,6 +32,8 @@ def _config_schema(args: argparse.Namespace) -> int:
 def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="check a deployment YAML without starting anything")
     p.add_argument("config", metavar="CONFIG", help="deployment YAML, e.g. configs/local.yaml")
+    p.add_argument("--cluster", metavar="RAY_UP_YAML", help="also check that the node types of this `ray up` file "
+                   "hold each tensor-parallel replica's bundles, e.g. configs/cluster/aws.yaml")
     p.set_defaults(run=_validate)
 
 
@@ -54,7 +56,19 @@ def _validate(args: argparse.Namespace) -> int:
     print(f"  router {_describe_router(config.router)}; "
           f"http {config.http.host}:{config.http.port}"
           f"{' (API key required)' if config.http.api_key_value() else ''}")
-    return 0
+    return _check_placement(config, args.cluster) if args.cluster else 0
+
+
+def _check_placement(config: RaypdConfig, cluster_file: str) -> int:
+    import yaml
+
+    node_types = yaml.safe_load(pathlib.Path(cluster_file).read_text()).get("available_node_types", {})
+    errors, warnings = placement_problems(config, node_types)
+    for line in warnings:
+        print(f"  warning: {line}")
+    for line in errors:
+        print(f"raypd: {cluster_file}: {line}", file=sys.stderr)
+    return 2 if errors else 0
 
 
 def _describe_router(router) -> str:
@@ -76,7 +90,9 @@ def _describe_role(role: Role) -> str:
         on = (", ".join(f"{name} {value:g}" for name, value in a.slo.targets().items()) if a.slo
               else f"target_ongoing_requests {a.target_ongoing_requests:g}")
         scale += f" on {on} per replica (up after {a.upscale_delay_s:g} s, down after {a.downscale_delay_s:g} s)"
-    return f"{scale}, each num_cpus={role.num_cpus}, num_gpus={role.num_gpus}, resources={role.resources}"
+    tp = (f", tensor_parallel_size {role.tensor_parallel_size} ({role.placement_strategy} bundles of "
+          f"{role.bundle()})" if role.tensor_parallel_size > 1 else "")
+    return f"{scale}, each num_cpus={role.num_cpus}, num_gpus={role.num_gpus}, resources={role.resources}{tp}"
 
 
 def _add_bench(sub) -> None:

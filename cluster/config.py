@@ -486,3 +486,35 @@ def _describe(exc: ValidationError, source: str) -> str:
         what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
         lines.append(f"  {where}: {what}")
     return "\n".join(lines)
+
+
+def placement_problems(config: RaypdConfig, node_types: dict[str, dict]) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of fitting each tensor-parallel role's bundles on the node types of a `ray up` file
+    (`available_node_types`): a role whose one bundle no node type offers, or whose STRICT_PACK group no single
+    node holds, cannot start; a PACK group no single node holds spreads over nodes (the all-reduce then goes over
+    the network). A node type's CPUs and GPUs, when the file leaves them to detection, are not counted."""
+    errors, warnings = [], []
+    for name in ("prefill", "decode"):
+        role = getattr(config, name)
+        if role.tensor_parallel_size == 1:
+            continue
+        bundle = role.bundle()
+        offers = {t: _bundles_on(bundle, spec.get("resources", {})) for t, spec in node_types.items()}
+        best = max(offers.values(), default=0)
+        size, what = role.tensor_parallel_size, f"{name} (tensor_parallel_size {role.tensor_parallel_size}, " \
+                                                f"bundles of {bundle})"
+        if best == 0:
+            errors.append(f"{what}: no node type offers even one bundle")
+        elif best < size and role.placement_strategy in ("STRICT_PACK", "PACK"):
+            fits = ", ".join(f"{t} {n}" for t, n in offers.items() if n)
+            message = f"{what}: the most bundles one node type offers is {best} ({fits})"
+            if role.placement_strategy == "STRICT_PACK":
+                errors.append(message + "; STRICT_PACK needs all on one node")
+            else:
+                warnings.append(message + "; its ranks will span nodes")
+    return errors, warnings
+
+
+def _bundles_on(bundle: dict[str, float], resources: dict[str, float]) -> int:
+    counted = {k: v for k, v in bundle.items() if k in resources or k not in ("CPU", "GPU")}  # detected: unknown
+    return min((int(resources.get(k, 0) // v) for k, v in counted.items()), default=0)

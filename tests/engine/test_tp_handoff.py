@@ -15,6 +15,7 @@ import torch
 from engine.kv.head_reads import head_reads, head_spans
 from engine.kv.kv_cache import KVLayout
 from raypd import LLM, DisaggregatedParams, SamplingParams
+from tests.engine.images import case, mm
 from tests.pools import wait_pools_full
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 3, 4, 8, 4
@@ -132,3 +133,24 @@ def test_a_dead_prefill_rank_makes_the_decode_side_prefill_itself(model_factory,
         got = gen.generate(prompt, GREEDY, disaggregated_params=dp)
         assert [o.token_ids for o in got.outputs] == want
         assert gen.engine.stats()["num_reprefills"] == before + 1
+
+
+def test_a_prompt_with_images_hands_off_from_two_prefill_ranks_to_one_decode_rank(llava_factory):
+    """LLaVA: the image rows are spliced on both prefill ranks; the decode engine (one rank, the text prompt only)
+    reads both ranks' heads and continues as one colocated rank would. Greedy and seeded n=2."""
+    model = str(llava_factory())
+    text, images = case("two")
+    config = dict(block_size=4, dtype="float32", num_threads=1)
+    with LLM(model, tensor_parallel_size=2, kv_transfer="nixl", **config) as ctx, \
+            LLM(model, kv_transfer="nixl", **config) as gen:
+        for params in (GREEDY, SEEDED):
+            want = [o.token_ids for o in gen.generate(mm(text, images), dataclasses.replace(
+                params, cache_salt="reference")).outputs]
+            c = ctx.generate(mm(text, images), params,
+                             disaggregated_params=DisaggregatedParams(request_type="context_only"))
+            dp = c.disaggregated_params
+            dp.request_type = "generation_only"
+            got = gen.generate({"prompt": text}, params, disaggregated_params=dp)
+            assert [o.token_ids for o in got.outputs] == want
+        assert gen.engine.stats()["num_reprefills"] == 0
+        wait_pools_full(ctx, gen)

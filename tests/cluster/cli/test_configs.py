@@ -188,9 +188,11 @@ def test_cloud_node_types_carry_the_role_resources(name):
     assert not {"prefill", "decode"} & set(types[raw["head_node_type"]]["resources"])
     for role in ("prefill", "decode"):
         carriers = [t for t in types.values() if t["resources"].get(role, 0) >= 1]
-        assert len(carriers) == 1 and 0 < carriers[0]["max_workers"] and carriers[0]["min_workers"] >= 1
-        gpu_type = carriers[0]["node_config"].get("InstanceType") or carriers[0]["node_config"]["machineType"]
-        assert re.match(r"(g\d|p\d|a2-|a3-|g2-)", gpu_type), gpu_type
+        assert sum(t["min_workers"] >= 1 for t in carriers) == 1 and all(t["max_workers"] > 0 for t in carriers)
+        for carrier in carriers:
+            gpu_type = carrier["node_config"].get("InstanceType") or carrier["node_config"]["machineType"]
+            assert re.match(r"(g\d|p\d|a2-|a3-|g2-)", gpu_type), gpu_type
+    assert max(t["resources"].get("prefill", 0) for t in types.values()) == 4  # a tensor-parallel prefill node
     # Every role resource the multi-node serve config asks for is advertised by some node type.
     wanted = {res for role in ("prefill", "decode", "postproc", "ingress")
               for res in _yaml(REPO / "configs" / "multinode.yaml")[role].get("resources", {})}
@@ -210,3 +212,64 @@ def test_onprem_workers_start_with_their_role_resource(ips, gpus, expected):
     args = out.splitlines()
     assert "--address=10.0.0.10:6379" in args
     assert json.loads(next(a for a in args if a.startswith("--resources=")).split("=", 1)[1]) == expected
+
+
+# ---- tensor-parallel roles ----
+
+def _tp_model(workdir, heads: int = 8, kv_heads: int = 2) -> str:
+    model = workdir / "models" / f"heads-{heads}-{kv_heads}"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": heads, "num_key_value_heads": kv_heads}))
+    return str(model)
+
+
+def test_a_tensor_parallel_role_is_a_placement_group_of_its_bundles(workdir):
+    config = RaypdConfig(model=_tp_model(workdir), prefill={"tensor_parallel_size": 4, "num_gpus": 1,
+                                                              "resources": {"prefill": 1}},
+                         decode={"tensor_parallel_size": 2, "num_cpus": 2, "placement_strategy": "STRICT_PACK"})
+    prefill = config.prefill.deployment_options()
+    assert prefill["placement_group_bundles"] == [{"CPU": 1, "GPU": 1, "prefill": 1}] * 4
+    assert prefill["placement_group_strategy"] == "PACK"
+    assert config.decode.deployment_options()["placement_group_bundles"] == [{"CPU": 2}] * 2
+    assert config.engine_config(role="prefill").tensor_parallel_size == 4
+    assert config.engine_config(role="decode").tensor_parallel_size == 2
+    assert "placement_group_bundles" not in config.ingress.deployment_options()
+
+
+@pytest.mark.parametrize("roles, message", [
+    ({"prefill": {"tensor_parallel_size": 3, "num_cpus": 1}}, "prefill.tensor_parallel_size 3 does not divide"),
+    ({"decode": {"tensor_parallel_size": 4, "num_cpus": 1}}, "decode.tensor_parallel_size 4 does not divide .* 2 KV"),
+    ({"postproc": {"tensor_parallel_size": 2}}, "postproc runs no model shards"),
+    ({"prefill": {"tensor_parallel_size": 2, "num_cpus": 0}}, "each bundle .* needs something to reserve"),
+])
+def test_what_cannot_split_or_place_is_named_before_anything_starts(workdir, roles, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config_from(workdir, {"model": _tp_model(workdir, heads=6, kv_heads=2), **roles})
+
+
+def load_config_from(workdir, data: dict) -> RaypdConfig:
+    path = workdir / "tp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path)
+
+
+def test_validate_checks_the_bundles_against_the_cluster_files_node_types(workdir, capsys):
+    model = _tp_model(workdir)
+    aws = str(REPO / "configs" / "cluster" / "aws.yaml")
+    gpu_role = {"num_gpus": 1, "resources": {"prefill": 1}}
+    fits = load_config_from(workdir, {"model": model, "prefill": {**gpu_role, "tensor_parallel_size": 4}})
+    path = workdir / "tp.yaml"
+    assert main(["validate", str(path), "--cluster", aws]) == 0
+    assert "tensor_parallel_size 4 (PACK bundles of" in capsys.readouterr().out
+    load_config_from(workdir, {"model": model, "prefill": {**gpu_role, "tensor_parallel_size": 8,
+                                                              "placement_strategy": "STRICT_PACK"}})
+    assert main(["validate", str(path), "--cluster", aws]) == 2
+    assert "the most bundles one node type offers is 4" in capsys.readouterr().err
+    load_config_from(workdir, {"model": model, "prefill": {**gpu_role, "tensor_parallel_size": 8}})
+    assert main(["validate", str(path), "--cluster", aws]) == 0
+    assert "its ranks will span nodes" in capsys.readouterr().out
+    load_config_from(workdir, {"model": model, "decode": {"tensor_parallel_size": 2, "num_gpus": 1,
+                                                             "resources": {"nowhere": 1}}})
+    assert main(["validate", str(path), "--cluster", aws]) == 2
+    assert "no node type offers even one bundle" in capsys.readouterr().err
+    assert fits.prefill.tensor_parallel_size == 4
