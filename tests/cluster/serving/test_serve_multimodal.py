@@ -41,12 +41,14 @@ def _free_port() -> int:
 
 def _config(model: str, port: int):
     """configs/local.yaml with the test's model, port, key and smaller pools, in float32: token-exact against the
-    embedded LLM."""
+    embedded LLM. Its prefill role is split over two ranks (the second an actor in the replica's placement group):
+    the encoder's embeddings reach both prefill ranks, and the one decode rank reads the heads of each."""
     raw = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
     raw.update(model=model, served_model_name="tiny-llava", dtype="float32")
     raw.update(http={"host": "127.0.0.1", "port": port, "api_key": KEY})
     raw["engine"].update(block_size=4, kv_cache_bytes="32MiB")
     raw["multimodal"].update(max_image_bytes=MAX_IMAGE_BYTES, encoder_cache_bytes="4MiB")
+    raw["prefill"].update(tensor_parallel_size=2, resources={"prefill": 0.25})
     # One request at a time here: the idle rule would serve each whole on decode; the prefill replica splicing the
     # encoder's embeddings is what this file checks (colocated mode below covers the whole path).
     raw["router"].update(local_prefill_when_idle=False)
@@ -117,6 +119,8 @@ def test_an_image_in_a_chat_message_gives_the_embedded_engines_text(client, embe
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert got.choices[0].message.content == _reference(embedded, messages, [a], params)
     assert got.usage.prompt_tokens > 16  # the image's 16 placeholder tokens count as prompt
+    assert any(a["name"].startswith(f"raypd-rank::SERVE_REPLICA::{APP}#prefill#")
+               for a in ray.util.list_named_actors(all_namespaces=True))  # through a prefill replica of two ranks
     two = [{"role": "user", "content": [image_part(data_url(png(a))), image_part(data_url(png(b), "image/png")),
                                         {"type": "text", "text": "which came first?"}]}]
     stream = client.chat.completions.create(model="tiny-llava", messages=two, max_tokens=10, temperature=0,
