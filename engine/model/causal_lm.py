@@ -107,10 +107,11 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.ops = ops
         self.shard = shard
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.vocab = shard.split(spec.vocab_size)  # the rows of the embedding table and LM head this rank holds
+        self.embed_tokens = nn.Embedding(self.vocab.stop - self.vocab.start, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, ops, shard) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, self.vocab.stop - self.vocab.start, bias=False)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: str | None = None, device="cpu", ops: TorchOps | None = None,
@@ -180,7 +181,7 @@ class CausalLM(nn.Module):
 
         row_embeds: optional (rows (R,) long, embeddings (R, hidden)) replacing the token embeddings of those flat-batch
         rows: image embeddings at their placeholders (engine/multimodal/processing.py's embeddings_in_span)."""
-        x = self.embed_tokens(input_ids)  # (T, hidden)
+        x = self._embed(input_ids)  # (T, hidden)
         if row_embeds is not None:
             rows, embeds = row_embeds
             x[rows] = embeds.to(x.dtype)  # transformers casts the image features to the embeddings' dtype too
@@ -190,6 +191,21 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, meta, *kv_cache.layer(i))
         return self.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (T, hidden). Under tensor parallelism each rank looks up the ids of its vocabulary rows,
+        zeros the others, and the ranks' rows are summed (vocab-parallel, as vLLM's VocabParallelEmbedding)."""
+        if self.shard.size == 1:
+            return self.embed_tokens(input_ids)
+        mine = (input_ids >= self.vocab.start) & (input_ids < self.vocab.stop)  # (T,)
+        x = self.embed_tokens(torch.where(mine, input_ids - self.vocab.start, 0))  # (T, hidden)
+        return self.shard.reduce(x.masked_fill_(~mine[:, None], 0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (R, hidden) -> logits (R, vocab) float32."""
-        return self.lm_head(hidden).float()
+        """hidden (R, hidden) -> logits (R, vocab) float32. Under tensor parallelism a collective: each rank
+        computes its vocabulary rows' logits and the ranks' zero-padded slices are summed, on every rank."""
+        local = self.lm_head(hidden).float()  # (R, this rank's vocab rows)
+        if self.shard.size == 1:
+            return local
+        logits = local.new_zeros((hidden.shape[0], self.spec.vocab_size))  # (R, vocab)
+        logits[:, self.vocab] = local
+        return self.shard.reduce(logits)

@@ -3,6 +3,7 @@ every sequence whose new tokens reach its end. It reads sequences and changes no
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,11 +28,19 @@ class ModelExecutor:
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         if not out.scheduled:
             return ModelOutput()
-        hidden, last_rows = self.runner.run(out.scheduled)
-        return ModelOutput(self._sample(out, hidden, last_rows), self._prompt_logits(out, hidden, last_rows))
+        last_rows = [end - 1 for end in itertools.accumulate(n for _, n in out.scheduled)]  # each one's last new token
+        rows, owners, flat = self._sample_rows(out, last_rows)
+        prompt = self._prompt_rows(out, last_rows)
+        logits = self.runner.run(out.scheduled, flat + [r for _, rs in prompt.values() for r in rs])
+        kept, at = {}, len(flat)
+        for seq, (positions, rs) in prompt.items():
+            kept[seq] = dict(zip(positions, logits[at:at + len(rs)]))
+            at += len(rs)
+        return ModelOutput(self._sample(rows, owners, logits[:len(flat)]), kept)
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, last_rows: list[int]) -> dict[Sequence, list[Sample]]:
-        """A request's first sample draws one token per candidate from the same logits."""
+    def _sample_rows(self, out: SchedulerOutput, last_rows: list[int]) -> tuple[list[SampleRow], list, list[int]]:
+        """What to sample: one row per candidate of each sequence whose new tokens reach its end (a request's first
+        sample draws one token per candidate from the same logits), its sequence, and its flat row."""
         rows, owners, flat = [], [], []
         for (seq, n), row in zip(out.scheduled, last_rows):
             if seq.num_computed_tokens + n < seq.num_tokens:
@@ -42,14 +51,18 @@ class ModelExecutor:
                                       seq.grammar))
                 owners.append(seq)
                 flat.append(row)
+        return rows, owners, flat
+
+    def _sample(self, rows: list[SampleRow], owners: list, logits: torch.Tensor) -> dict[Sequence, list[Sample]]:
         if not rows:
             return {}
         by_seq: dict[Sequence, list[Sample]] = {}
-        for seq, sample in zip(owners, self.sampler(self.runner.logits(hidden, flat), rows)):
+        for seq, sample in zip(owners, self.sampler(logits, rows)):
             by_seq.setdefault(seq, []).append(sample)
         return by_seq
 
-    def _prompt_logits(self, out: SchedulerOutput, hidden: torch.Tensor, last_rows: list[int]) -> dict:
+    def _prompt_rows(self, out: SchedulerOutput, last_rows: list[int]) -> dict[Sequence, tuple[range, list[int]]]:
+        """Sequences whose prompt logits are wanted: (the prompt positions this step computes, their flat rows)."""
         kept = {}
         for (seq, n), last in zip(out.scheduled, last_rows):
             req = seq.request
@@ -59,6 +72,5 @@ class ModelExecutor:
             count = min(n, req.num_prompt_tokens - start)
             if count <= 0:
                 continue
-            rows = list(range(last - n + 1, last - n + 1 + count))
-            kept[seq] = dict(zip(range(start, start + count), self.runner.logits(hidden, rows)))
+            kept[seq] = (range(start, start + count), list(range(last - n + 1, last - n + 1 + count)))
         return kept

@@ -94,8 +94,9 @@ def _sources(ours: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shard) -
     """Our parameter name (and its shape on this rank) -> the checkpoint tensors that fill it, in stacking order.
     Column-parallel projections take rows of each tensor, row-parallel ones columns (engine/parallel/shard.py)."""
     prefix = spec.weight_prefix
-    if ours.startswith("lm_head."):
-        return [_Source(prefix + ours, shape)]
+    if ours.startswith("lm_head.") or ours == "embed_tokens.weight":  # vocab-parallel: this rank's rows
+        name = prefix + ours if ours.startswith("lm_head.") else f"{prefix}model.{ours}"
+        return [_Source(name, (spec.vocab_size, shape[1]), rows=shard.split(spec.vocab_size))]
     if spec.moe is not None and any(f".mlp.{part}." in ours for part in ("gate", "experts", "shared_expert")):
         names, width = _moe_names(ours, spec)
         if width is None:  # the router

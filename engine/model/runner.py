@@ -1,6 +1,8 @@
-"""Model runner: turns a scheduled step into a StepPlan (flat token lists and slices) and runs the model on it. It
-only reads sequences. Under tensor parallelism the plan goes to the other ranks first, which run the same forward on
-their shards (engine/parallel/ranks.py); the hidden states, the logits and the sampling stay on this rank."""
+"""Model runner: turns a scheduled step into a StepPlan (flat token lists and slices, and the rows whose logits the
+step needs) and runs the model on it: the logits of those rows are what comes out. It only reads sequences. Under
+tensor parallelism the plan goes to the other ranks first, which run the same forward on their shards
+(engine/parallel/ranks.py), and each computes its slice of the vocabulary's logits; the sum of the slices lands on
+every rank, and the sampling stays on this one."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class StepPlan:
     slices: list[SeqSlice]
     row_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # image_rows', on the CPU
     block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) blocks other ranks copy first: forks since the last
+    logit_rows: tuple[int, ...] = ()  # flat rows whose logits the step needs (sampling, prompt logprobs), in order
 
 
 class ModelRunner:
@@ -40,26 +43,34 @@ class ModelRunner:
         self._copies: list[tuple[int, int]] = []  # made here since the last plan; the other ranks repeat them
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
-        """Computes the scheduled tokens' KV into the cache (on every rank). Returns hidden states (T, hidden) and,
-        per scheduled sequence, the flat index of its last new token."""
+    def run(self, scheduled: list[tuple[Sequence, int]], logit_rows: list[int]) -> torch.Tensor:
+        """Computes the scheduled tokens' KV into the cache (on every rank). Returns the fp32 logits (R, vocab), on
+        the CPU, of the given rows of the step's flat batch (the scheduled sequences' new tokens, in order)."""
         ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
-        last_rows: list[int] = []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slices.append(SeqSlice(block_table=seq.block_table, start=start, num_new=n))
-            last_rows.append(len(ids) - 1)
-        plan = StepPlan(ids, positions, slices, image_rows(scheduled), tuple(self._copies))
+        plan = StepPlan(ids, positions, slices, image_rows(scheduled), tuple(self._copies), tuple(logit_rows))
         if self.ranks is None:
-            return self.forward(plan), last_rows
+            return self.execute(plan)
         self._copies.clear()
         with self.ranks.guard():  # a rank that died is named, not a bare connection error
             self.ranks.send(plan)
-            return self.forward(plan), last_rows
+            return self.execute(plan)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """The forward, then the logits of plan.logit_rows (a collective under tensor parallelism: every rank
+        computes them)."""
+        hidden = self.forward(plan)
+        if not plan.logit_rows:
+            return torch.empty((0, self.model.spec.vocab_size))
+        index = torch.tensor(plan.logit_rows, dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, index)).float().cpu()
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
@@ -74,7 +85,7 @@ class ModelRunner:
         """Another rank's step: the block copies made there since its last plan, then the forward."""
         for src, dst in plan.block_copies:
             self.kv_cache.copy_block(src, dst)
-        self.forward(plan)
+        self.execute(plan)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copies every layer of block src into dst (a fork's copy-on-write), here and, with the next plan, on the
@@ -82,12 +93,6 @@ class ModelRunner:
         self.kv_cache.copy_block(src, dst)
         if self.ranks is not None:
             self._copies.append((src, dst))
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """(len(rows), vocab) fp32 logits of the given flat rows."""
-        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, index)).float().cpu()
 
 
 def image_rows(scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:

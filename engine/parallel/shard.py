@@ -4,9 +4,11 @@ The layout is vLLM's (and Megatron's): q/k/v and gate/up projections are split b
 rank holding whole heads and a slice of the MLP; o_proj and down_proj are split by input columns (row parallel), so
 each rank's output is a partial sum the ranks add up (all-reduce). A mixture-of-experts layer is sharded the same
 way inside every expert (each rank holds a slice of every expert), not spread by expert: on a handful of ranks that
-keeps every rank's work equal whatever the router picks, and needs the one all-reduce a dense MLP needs. The router,
-norms, embeddings and LM head are replicated. With more ranks than KV heads, each KV head is held by several ranks
-(those whose query heads read it), as vLLM does.
+keeps every rank's work equal whatever the router picks, and needs the one all-reduce a dense MLP needs. The
+embedding table and the LM head are split by vocabulary rows: each rank looks up the ids it holds (zeros for the
+others) and computes its rows' logits, and the sum over the ranks is the whole (one all-reduce each). The router and
+the norms are replicated. With more ranks than KV heads, each KV head is held by several ranks (those whose query
+heads read it), as vLLM does.
 """
 
 from __future__ import annotations

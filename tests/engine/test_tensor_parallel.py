@@ -75,12 +75,15 @@ def test_four_ranks_share_the_two_kv_heads(checkpoint):
 
 
 def test_shards_hold_the_checkpoints_slices(checkpoint):
-    """Rank by rank, q/k/v rows and o_proj columns of each rank's heads, expert slices: together the whole."""
+    """Rank by rank, q/k/v rows and o_proj columns of each rank's heads, expert slices, the embedding table's and LM
+    head's vocabulary rows: together the whole."""
     model_dir = checkpoint("qwen2_moe")
     whole = CausalLM.from_pretrained(model_dir, dtype="float32", pack=False)
     parts = [CausalLM.from_pretrained(model_dir, dtype="float32", pack=False, shard=Shard(r, 2, lambda x: x))
              for r in range(2)]
     spec, (a, b) = whole.spec, parts
+    for name in ("embed_tokens", "lm_head"):
+        assert torch.equal(torch.cat([getattr(p, name).weight for p in parts]), getattr(whole, name).weight)
     q, kv = spec.num_heads * spec.head_dim // 2, spec.num_kv_heads * spec.head_dim // 2
     for layer, la, lb in zip(whole.layers, a.layers, b.layers):
         wq, wk, wv = layer.self_attn.qkv_proj.weight.split([2 * q, 2 * kv, 2 * kv])

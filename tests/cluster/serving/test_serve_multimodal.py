@@ -1,14 +1,19 @@
 """configs/local.yaml's deployment (an encoder replica beside prefill and decode) serving a tiny LLaVA, through the real
 `openai` client: images in chat messages give the embedded engine's text; bad images are a 400 naming the content part
-and reach no engine."""
+and reach no engine. Prefill and decode each run two tensor-parallel ranks here (rank 1 an actor in the replica's
+placement group): a decode rank killed mid-stream takes its replica along, Serve replaces the group, the streams end
+with the same tokens, and no rank process outlives the deployment."""
 
 from __future__ import annotations
 
 import base64
 import io
+import os
 import pathlib
+import signal
 import socket
 import struct
+import threading
 import time
 import zlib
 
@@ -41,14 +46,15 @@ def _free_port() -> int:
 
 def _config(model: str, port: int):
     """configs/local.yaml with the test's model, port, key and smaller pools, in float32: token-exact against the
-    embedded LLM. Its prefill role is split over two ranks (the second an actor in the replica's placement group):
-    the encoder's embeddings reach both prefill ranks, and the one decode rank reads the heads of each."""
+    embedded LLM (one rank). Prefill and decode are split over two ranks each: the encoder's embeddings reach both
+    prefill ranks, and each decode rank reads its heads from the prefill rank that holds them."""
     raw = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
     raw.update(model=model, served_model_name="tiny-llava", dtype="float32")
     raw.update(http={"host": "127.0.0.1", "port": port, "api_key": KEY})
     raw["engine"].update(block_size=4, kv_cache_bytes="32MiB")
     raw["multimodal"].update(max_image_bytes=MAX_IMAGE_BYTES, encoder_cache_bytes="4MiB")
     raw["prefill"].update(tensor_parallel_size=2, resources={"prefill": 0.25})
+    raw["decode"].update(tensor_parallel_size=2, resources={"decode": 0.25})
     # One request at a time here: the idle rule would serve each whole on decode; the prefill replica splicing the
     # encoder's embeddings is what this file checks (colocated mode below covers the whole path).
     raw["router"].update(local_prefill_when_idle=False)
@@ -73,6 +79,7 @@ def server(ray_cluster, llava):
     serve.shutdown()
     for i in range(config.num_postprocess_workers):
         ray.kill(ray.get_actor(f"raypd-postproc-{i}", namespace=POSTPROC_NAMESPACE))
+    _wait(lambda: not _rank_processes(), 60, "rank processes outlived the deployment")
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +126,7 @@ def test_an_image_in_a_chat_message_gives_the_embedded_engines_text(client, embe
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert got.choices[0].message.content == _reference(embedded, messages, [a], params)
     assert got.usage.prompt_tokens > 16  # the image's 16 placeholder tokens count as prompt
-    assert any(a["name"].startswith(f"raypd-rank::SERVE_REPLICA::{APP}#prefill#")
-               for a in ray.util.list_named_actors(all_namespaces=True))  # through a prefill replica of two ranks
+    assert len(_rank_actors("prefill")) == 1 and len(_rank_actors("decode")) == 1  # each replica: two ranks
     two = [{"role": "user", "content": [image_part(data_url(png(a))), image_part(data_url(png(b), "image/png")),
                                         {"type": "text", "text": "which came first?"}]}]
     stream = client.chat.completions.create(model="tiny-llava", messages=two, max_tokens=10, temperature=0,
@@ -198,8 +204,79 @@ def test_bad_images_are_a_400_naming_the_part_and_reach_no_engine(server, tmp_pa
     assert httpx.get(f"{server[0]}/health", timeout=30).status_code == 200
 
 
+def _rank_actors(role: str) -> dict[str, int]:
+    """name -> pid of the rank actors (ranks 1..N-1) of the role's replicas in this application."""
+    found = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"raypd-rank::SERVE_REPLICA::{APP}#{role}#")]
+    return {a["name"]: ray.get(ray.get_actor(a["name"], namespace=a["namespace"]).pid.remote(), timeout=30)
+            for a in found}
+
+
+def _rank_processes() -> list[int]:
+    found = []
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"RankActor" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except Exception:  # not up yet
+            pass
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_a_killed_decode_rank_takes_its_replica_and_loses_no_stream(server, client, embedded):
+    """SIGKILL of decode rank 1 while six streams (one with an image) run: the replica exits, the streams resume
+    elsewhere with the text they would have had, and Serve starts a new group of two ranks."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [f"rank fault {i}: one two three four" for i in range(5)]
+    image = random_images(1, seed=64)[0]
+    chat = [{"role": "user", "content": [image_part(data_url(png(image))), {"type": "text", "text": "and then"}]}]
+    want = [r.outputs[0].text for r in embedded.generate(prompts, params, use_tqdm=False)]
+    want.append(_reference(embedded, chat, [image], params))
+    texts, chunks, errors = [""] * 6, [0] * 6, []
+
+    def one(i: int) -> None:
+        kwargs = dict(model="tiny-llava", max_tokens=40, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        try:
+            if i < 5:
+                for c in client.completions.create(prompt=prompts[i], **kwargs):
+                    texts[i] += c.choices[0].text
+                    chunks[i] += 1
+            else:
+                for c in client.chat.completions.create(messages=chat, **kwargs):
+                    texts[i] += (c.choices[0].delta.content or "") if c.choices else ""
+                    chunks[i] += 1
+        except Exception as exc:  # collected: the test asserts there are none
+            errors.append(repr(exc))
+
+    (name, pid), = _rank_actors("decode").items()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    _wait(lambda: min(chunks) >= 3, 60, "the streams did not start")
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    assert not errors and texts == want, (errors, texts)
+    _wait(lambda: httpx.get(f"{server[0]}/health", timeout=5).status_code == 200 and _rank_actors("decode")
+          and name not in _rank_actors("decode"), 120, "the decode group was not replaced")
+
+
 def test_colocated_mode_takes_images_too(server, client, llava):
-    config = _config(llava, server[1]).model_copy(update={"mode": "colocated"})
+    config = _config(llava, server[1])
+    config = config.model_copy(update={"mode": "colocated", "decode": config.decode.model_copy(
+        update={"tensor_parallel_size": 1})})
     serve.run(build_from_config(config), name=f"{APP}-colocated", route_prefix="/colocated")
     try:
         colocated = openai.OpenAI(base_url=f"{server[0]}/colocated/v1", api_key=KEY, timeout=60, max_retries=0)
