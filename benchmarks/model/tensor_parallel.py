@@ -4,8 +4,8 @@
 
 Each size serves a warm-up round, then timed rounds, every round with prompts of its own (no prefix-cache hits are
 timed); greedy, EOS ignored. One rank gets every core as torch threads; N ranks get cores / N each. Reported: output
-and total tokens/s, and rank 0's time inside all-reduces per model step (two per layer). A benchmark, not a test:
-token disagreement between sizes is printed, not raised.
+and total tokens/s, and rank 0's time inside all-reduces per model step (two per layer, one for the embeddings, one
+for the logits). A benchmark, not a test: token disagreement between sizes is printed, not raised.
 """
 
 from __future__ import annotations
