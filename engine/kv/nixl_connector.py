@@ -10,11 +10,11 @@ request still completes with the same tokens.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 import uuid
-import itertools
 from dataclasses import dataclass, field
 
 import torch

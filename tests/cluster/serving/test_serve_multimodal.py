@@ -30,6 +30,7 @@ from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
 from cluster.config import parse_config
 from cluster.serving.directory import Directory
 from raypd import LLM, SamplingParams
+from tests.cluster.serving.test_faults import _wait
 from tests.engine.images import random_images
 
 KEY = "sk-raypd-mm"
@@ -221,18 +222,6 @@ def _rank_processes() -> list[int]:
         except OSError:  # ended meanwhile
             continue
     return found
-
-
-def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if condition():
-                return
-        except Exception:  # not up yet
-            pass
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def test_a_killed_decode_rank_takes_its_replica_and_loses_no_stream(server, client, embedded):
