@@ -1,8 +1,8 @@
 """A tensor-parallel rank other than 0, as a process: `python -m engine.parallel.rank_main FD`, FD being its end of
 the channel to rank 0 (a socket it inherited). It joins the group, builds its shard and KV pool, then replays rank
 0's step plans (and, in an engine that exchanges KV, its orders to read KV into this rank's pool) until rank 0
-says stop or goes away. Started as a module, not by multiprocessing's spawn, so a user's
-script without a main guard is never re-imported."""
+says stop or goes away. Started as a module, not by multiprocessing's spawn, so a user's script without a main guard
+is never re-imported. A rank of a Serve replica runs the same serve() inside a Ray actor (cluster/serving/ranks.py)."""
 
 from __future__ import annotations
 
