@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import pathlib
 import struct
 from dataclasses import dataclass, field
@@ -18,7 +19,8 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                           "DeepseekV3ForCausalLM"}
 # Image + text checkpoints whose text part is one of the above (the vision part is engine/multimodal/vision.py's).
 MULTIMODAL_ARCHITECTURES = {"LlavaForConditionalGeneration"}
 # A LLaVA text_config names its family only by model_type.
@@ -48,12 +50,43 @@ class MoeSpec:
     renormalize: bool  # the top-k probabilities divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
     weights_in_model_dtype: bool  # Qwen3-MoE casts the routing weights to the model dtype; Mixtral keeps float32
     sparse_layers: tuple[bool, ...]  # per layer: the sparse block, or the dense MLP (intermediate_size)
-    # Qwen2-MoE: a shared expert every token goes through, scaled by sigmoid(shared_expert_gate(x)); None: none
+    # A shared expert every token goes through (None: none): Qwen2-MoE scales it by sigmoid(shared_expert_gate(x)),
+    # DeepSeek-V3 adds it as is (its n_shared_experts experts as one of their summed width).
     shared_intermediate_size: int | None = None
+    shared_gated: bool = True
+    # DeepSeek-V3's router: sigmoid scores; the experts chosen by score + a per-expert correction bias, only from
+    # the topk_groups groups (of num_groups) whose two best experts score highest; the chosen scores (renormalized
+    # or not) times routed_scaling_factor are the weights. "softmax": the top_k softmax probabilities.
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be in 1..num_experts ({self.num_experts})")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(f"{self.num_experts} experts in {self.num_groups} groups, {self.topk_groups} of them "
+                             "chosen: the groups must divide the experts and be at least the chosen")
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): each token caches one latent, its compressed key/value
+    (kv_lora_rank, normed) and its rotated positional key (qk_rope_head_dim), shared by every head; each head's
+    keys and values are kv_b_proj of the latent (engine/model/mla.py)."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state (V2-Lite); else q_a_proj, norm, q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rope dims rotate in (even, odd) pairs, not in halves
+    scale: float  # softmax scale: qk_head_dim ** -0.5, times yarn's mscale squared where the rope sets mscale_all_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -85,6 +118,7 @@ class ModelSpec:
     # Prepended to every tensor name of the text model: "" for a text checkpoint, "language_model." for LLaVA's.
     weight_prefix: str = ""
     moe: MoeSpec | None = None  # a mixture-of-experts model's sparse MLP; None: every layer's MLP is dense
+    mla: MlaSpec | None = None  # latent attention (head_dim is then the rope part's); None: q/k/v heads
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -118,7 +152,7 @@ def load_spec(model_dir) -> ModelSpec:
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
         num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        num_kv_heads=1 if arch in _MLA_ARCHITECTURES else getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         rms_norm_eps=float(config.rms_norm_eps),
@@ -135,6 +169,7 @@ def load_spec(model_dir) -> ModelSpec:
         rope_attention_scaling=float(scaling),
         weight_prefix=prefix,
         moe=_moe(arch, config),
+        mla=_mla(config) if arch in _MLA_ARCHITECTURES else None,
     )
 
 
@@ -169,6 +204,21 @@ def _biases(arch: str, config) -> dict:
     return dict(attention_bias=attn, o_bias=attn, mlp_bias=mlp)
 
 
+_MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+
+def _mla(config) -> MlaSpec:
+    """As DeepseekV3Attention reads its config; its head_dim is the rope part's (what _rope rotates)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale = scale * mscale * mscale
+    return MlaSpec(config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                   config.v_head_dim, bool(config.rope_interleave), scale)
+
+
 def _moe(arch: str, config) -> MoeSpec | None:
     """The sparse MLP, read as each family's modeling file reads its config."""
     n = config.num_hidden_layers
@@ -183,6 +233,14 @@ def _moe(arch: str, config) -> MoeSpec | None:
         return MoeSpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                        renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=True, sparse_layers=sparse,
                        shared_intermediate_size=shared)
+    if arch == "DeepseekV3ForCausalLM":
+        sparse = tuple(i >= config.first_k_dense_replace and config.n_routed_experts > 0 for i in range(n))
+        width = config.moe_intermediate_size
+        return MoeSpec(config.n_routed_experts, config.num_experts_per_tok, width,
+                       renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=False, sparse_layers=sparse,
+                       shared_intermediate_size=width * config.n_shared_experts or None, shared_gated=False,
+                       scoring="sigmoid", num_groups=config.n_group, topk_groups=config.topk_group,
+                       routed_scaling_factor=float(config.routed_scaling_factor))
     return None
 
 

@@ -141,5 +141,7 @@ def compatibility_problems(mine: KVLayout, my_fingerprint: str, theirs: KVLayout
 
 
 def _describe(layout: KVLayout) -> str:
-    return (f"{layout.num_layers} layers x {layout.model_kv_heads} KV heads x {layout.head_dim}, blocks of "
+    per_token = f"{layout.model_kv_heads} KV heads x {layout.head_dim}" if layout.planes == 2 else \
+        f"a latent of {layout.head_dim}"
+    return (f"{layout.num_layers} layers x {per_token}, blocks of "
             f"{layout.block_size} tokens, {layout.dtype}, over {layout.tp_size} rank(s)")

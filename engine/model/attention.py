@@ -233,7 +233,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     return out
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """cache (num_blocks, block_size, kv_heads, head_dim) view, blocks (...,) -> (..., block_size, kv_heads, head_dim).
 
     A block is one contiguous span inside the strided view, so index_select on (num_blocks, span) copies whole spans;
@@ -245,8 +245,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, mask, scale) -> torch.Tensor:
     d, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    keys = _gather(k_cache, plan.blocks).flatten(1, 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
-    values = _gather(v_cache, plan.blocks).flatten(1, 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
+    keys = gather_blocks(k_cache, plan.blocks).flatten(1, 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
+    values = gather_blocks(v_cache, plan.blocks).flatten(1, 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
     # One query per sequence: the query heads sharing a KV head become that head's query rows (what transformers'
     # pack_gqa does for decode). Same head mapping as enable_gqa (query head h reads KV head h // group), ~2x faster.
     packed = q.view(d, kv_heads, heads // kv_heads, head_dim)  # (D, kv_heads, group, head_dim)
@@ -260,8 +260,8 @@ def prefill_attention(q, k, v, k_cache, v_cache, plan: _PrefillPlan, mask, scale
         keys, values = k, v  # the chunk is the whole context: no need to read back what was just written
     else:
         context = plan.start + plan.num_new
-        keys = _gather(k_cache, plan.blocks).flatten(0, 1)[:context]  # (context, kv_heads, head_dim)
-        values = _gather(v_cache, plan.blocks).flatten(0, 1)[:context]
+        keys = gather_blocks(k_cache, plan.blocks).flatten(0, 1)[:context]  # (context, kv_heads, head_dim)
+        values = gather_blocks(v_cache, plan.blocks).flatten(0, 1)[:context]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys.transpose(0, 1)[None],

@@ -1,5 +1,6 @@
 """The decoder-only transformer of the Llama family (Llama, Qwen2, Qwen3, Mistral, and the mixture-of-experts
-Qwen2-MoE, Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's) over a flat batch and a paged cache.
+Qwen2-MoE, Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's) and DeepSeek-V3 (latent attention,
+engine/model/mla.py, and a grouped-routing MoE) over a flat batch and a paged cache.
 
 Every op follows transformers' modeling files in order and dtype (see PARITY.md), so greedy tokens match theirs.
 q/k/v and gate/up projections are fused into one matmul each: fewer kernel launches, the same dot products. The
@@ -15,26 +16,13 @@ from engine.model.attention import AttentionMetadata
 from engine.config import ModelSpec, load_spec, run_dtype
 from engine.model.kernels import REFERENCE, TorchOps, apply_rope, select_ops, split_heads
 from engine.model.linear import Linear, can_pack
+from engine.model.mla import MlaAttention
 from engine.model.moe import SparseMoe
+from engine.model.norm import RMSNorm
 from engine.kv.kv_cache import KVCache, KVLayout
 from engine.parallel.shard import SINGLE, Shard, check_shardable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: TorchOps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, norm(x + residual)); x may be overwritten with the sum."""
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -84,14 +72,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, ops: TorchOps, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.self_attn = Attention(spec, layer_idx, ops, shard)
+        self.self_attn = MlaAttention(spec, ops, shard) if spec.mla else Attention(spec, layer_idx, ops, shard)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
         self.mlp = SparseMoe(spec, ops, shard) if sparse else MLP(spec, ops, shard)
         self.shard = shard
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
-        attn = self.shard.reduce(self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache))
+    def forward(self, x, cos, sin, meta, *cache) -> torch.Tensor:
+        """cache: this layer's views of the pool (keys and values, or MLA's latents)."""
+        attn = self.shard.reduce(self.self_attn(self.input_layernorm(x), cos, sin, meta, *cache))
         x, h = self.post_attention_layernorm.add_norm(x, attn)  # x + attn, and its norm
         return x + self.shard.reduce(self.mlp(h))
 
@@ -129,6 +118,9 @@ class CausalLM(nn.Module):
         with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
             model = cls(spec, ops, shard)
         model = model.to(DTYPES[dtype]).to_empty(device=device)
+        for module in model.modules():
+            if isinstance(module, SparseMoe):
+                module.keep_router_float32()
         if spec.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model._init_rope(device)
@@ -151,8 +143,8 @@ class CausalLM(nn.Module):
         """A row-parallel projection's bias is added once to the sum: by rank 0 alone."""
         with torch.no_grad():
             for module in self.modules():
-                if isinstance(module, (Attention, MLP)):
-                    proj = module.o_proj if isinstance(module, Attention) else module.down_proj
+                if isinstance(module, (Attention, MlaAttention, MLP)):
+                    proj = module.down_proj if isinstance(module, MLP) else module.o_proj
                     if proj.bias is not None:
                         proj.bias.zero_()
 

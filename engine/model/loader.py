@@ -28,7 +28,10 @@ _EXPERTS = {
     "Qwen2MoeForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "Qwen3MoeForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "MixtralForCausalLM": ("block_sparse_moe", {"w13": ("w1", "w3"), "w2": ("w2",)}),
+    "DeepseekV3ForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
 }
+# Where the checkpoint keeps the shared expert (ours: shared_expert), where it is not Qwen2-MoE's name.
+_SHARED_EXPERT = {"DeepseekV3ForCausalLM": "shared_experts"}
 # Checkpoint tensors that carry no weights of ours (old exports saved RoPE buffers).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -104,6 +107,8 @@ def _sources(ours: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shard) -
         if ".w2." in ours:
             return [_Source(names[0], (shape[0], width), cols=shard.split(width))]
         return [_Source(n, (width, *shape[1:]), rows=shard.split(width)) for n in names]
+    if spec.mla is not None and ".self_attn." in ours:
+        return [_mla_source(f"{prefix}model.{ours}", shape, spec, shard)]
     for fused, parts in _FUSED.items():
         head, sep, tail = ours.partition(fused)
         if sep:
@@ -117,6 +122,22 @@ def _sources(ours: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shard) -
         width = spec.intermediate_size
         return [_Source(name, (shape[0], width), cols=shard.split(width))]
     return [_Source(name, shape)]
+
+
+def _mla_source(name: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shard) -> _Source:
+    """Latent attention: the per-head projections split by heads (q_b_proj or q_proj and kv_b_proj by rows, o_proj by
+    columns); the latent projections and norms whole on every rank."""
+    mla, heads = spec.mla, shard.heads(spec)
+    qk_dim, kv_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+    per_head = {"q_proj": qk_dim, "q_b_proj": qk_dim, "kv_b_proj": kv_dim}
+    proj = name.rsplit(".", 2)[-2]  # "q_b_proj" of "model.layers.0.self_attn.q_b_proj.weight"
+    if proj in per_head:
+        width = per_head[proj]
+        return _Source(name, (spec.num_heads * width, shape[1]), rows=slice(heads.start * width, heads.stop * width))
+    if proj == "o_proj" and name.endswith(".weight"):
+        width = mla.v_head_dim
+        return _Source(name, (shape[0], spec.num_heads * width), cols=slice(heads.start * width, heads.stop * width))
+    return _Source(name, shape)
 
 
 def _taken_rows(fused: str, spec: ModelSpec, shard: Shard) -> list[slice]:
@@ -137,10 +158,11 @@ def _moe_names(ours: str, spec: ModelSpec) -> tuple[list[str], int | None]:
     the family's block name, the expert's intermediate width; None for the router)."""
     block, parts = _EXPERTS[spec.architecture]
     name = f"{spec.weight_prefix}model.{ours.replace('.mlp.', f'.{block}.', 1)}"
+    name = name.replace(".shared_expert.", f".{_SHARED_EXPERT.get(spec.architecture, 'shared_expert')}.")
     head, leaf, tail = name.rpartition(".w13." if ".w13." in name else ".w2.")
     if not leaf:  # the router
         return [name], None
-    width = spec.moe.shared_intermediate_size if ".shared_expert." in name else spec.moe.intermediate_size
+    width = spec.moe.shared_intermediate_size if ".shared_expert." in ours else spec.moe.intermediate_size
     return [f"{head}.{part}.{tail}" for part in parts[leaf.strip(".")]], width
 
 

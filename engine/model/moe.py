@@ -1,5 +1,6 @@
-"""The sparse MLP of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks top_k experts per
-token; each expert is a SiLU-gated MLP (Qwen2-MoE adds a shared expert every token takes, gated by a sigmoid).
+"""The sparse MLP of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3): a router picks top_k
+experts per token (DeepSeek-V3's only from its best groups); each expert is a SiLU-gated MLP (Qwen2-MoE adds a shared
+expert every token takes, gated by a sigmoid; DeepSeek-V3 one ungated).
 Tokens are grouped by expert, so one step runs one gate/up and one down matmul per expert it hit, whatever the number
 of tokens; the experts' outputs are summed in ascending expert order, as transformers' loop does, so fp32 results
 match its own. Each expert's projections are `Linear`s: packed for oneDNN like the dense layers' where the CPU runs
@@ -43,17 +44,44 @@ class SparseMoe(nn.Module):
         self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(spec.hidden_size, moe.intermediate_size // shard.size, ops)
                                      for _ in range(moe.num_experts))
+        if moe.scoring == "sigmoid":  # added to the scores that choose experts, not to their weights
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts), requires_grad=False)
         if moe.shared_intermediate_size:
             self.shared_expert = Expert(spec.hidden_size, moe.shared_intermediate_size // shard.size, ops)
+        if moe.shared_intermediate_size and moe.shared_gated:
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
+
+    def keep_router_float32(self) -> None:
+        """DeepSeek-V3 keeps its router in float32 whatever the model's dtype (transformers'
+        _keep_in_fp32_modules_strict); the softmax routers run in the model's."""
+        if self.moe.scoring == "sigmoid":
+            self.gate.float()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> (weights (T, top_k), experts (T, top_k) long), as the family's router computes them."""
+        if self.moe.scoring == "sigmoid":
+            return self._grouped_route(x)
         probs = F.softmax(F.linear(x, self.gate.weight).float(), dim=-1)  # (T, experts) float32
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)  # (T, top_k)
         if self.moe.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights.to(x.dtype) if self.moe.weights_in_model_dtype else weights), experts
+
+    def _grouped_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's: float32 weights (T, top_k), experts (T, top_k), in DeepseekV3TopkRouter's ops and order."""
+        moe, t = self.moe, x.shape[0]
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # (T, experts)
+        choice = scores + self.gate.e_score_correction_bias  # (T, experts)
+        grouped = choice.view(t, moe.num_groups, -1)  # (T, groups, experts per group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (T, groups): each group's best two
+        groups = torch.topk(group_scores, k=moe.topk_groups, dim=-1, sorted=False)[1]  # (T, topk_groups)
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()  # (T, groups)
+        choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(t, -1), float("-inf"))
+        experts = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]  # (T, top_k)
+        weights = scores.gather(1, experts)  # (T, top_k)
+        if moe.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden)."""
@@ -61,6 +89,8 @@ class SparseMoe(nn.Module):
         if not self.moe.shared_intermediate_size:
             return out
         shared = self.shared_expert(x)  # (T, hidden)
+        if not self.moe.shared_gated:
+            return out + shared
         return out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared  # transformers' order
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # "llava" wraps one of them
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")  # DeepSeek-V3: latent attention too
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES  # text-only
 VISION_TOWERS = ("clip", "siglip")
 
@@ -164,6 +164,7 @@ _CONFIGS = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
 # Mixture-of-experts shapes: 8 experts, 2 per token, each expert a quarter of the dense MLP (Qwen3-30B-A3B's ratio
 # of 128 experts at 8 per token, scaled down); Qwen3-MoE's first layer dense, to cover mixed stacks; Qwen2-MoE's
@@ -312,11 +313,24 @@ def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
         kwargs.update(num_experts=_MOE_EXPERTS, num_experts_per_tok=_MOE_TOP_K,
                       moe_intermediate_size=size.intermediate_size // 4,
                       shared_expert_intermediate_size=size.intermediate_size // 2)
+    if arch == "deepseek_v3":
+        kwargs.update(_deepseek_v3_kwargs(size))
     kwargs.update(overrides)
     if arch in ("qwen3", "qwen3_moe"):
         # Qwen3's default head_dim (128) ignores hidden_size / num_attention_heads.
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     return kwargs
+
+
+def _deepseek_v3_kwargs(size: TinySize) -> dict:
+    """DeepSeek-V3's proportions scaled down: per head 2x the no-rope dims of the rope ones and a latent of 2 heads'
+    width (V3: 128 and 64, a latent of 512 + 64 over 128 heads of 192); 8 routed experts in 4 groups, the best 2
+    groups of them open to each token's top 2; one shared expert; the first layer dense."""
+    head = size.hidden_size // size.num_attention_heads
+    return dict(num_key_value_heads=size.num_attention_heads, q_lora_rank=size.hidden_size // 2,
+                kv_lora_rank=2 * head, qk_nope_head_dim=head, qk_rope_head_dim=head // 2, v_head_dim=head,
+                n_routed_experts=_MOE_EXPERTS, num_experts_per_tok=_MOE_TOP_K, n_group=4, topk_group=2,
+                n_shared_experts=1, moe_intermediate_size=size.intermediate_size // 4, first_k_dense_replace=1)
 
 
 def make_config(arch: str = "llama", size: str = "tiny", image_token: bool = False, **config_overrides):

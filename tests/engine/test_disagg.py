@@ -251,10 +251,11 @@ def test_more_imports_than_seats_wait_in_their_queue(tiny_llama):
         gen.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"])
 def test_moe_models_hand_off_the_same_tokens_with_decode_side_prefix_hits(model_factory, arch):
-    """A mixture-of-experts model's KV is a dense model's: the hand-off carries it unchanged, greedy and seeded, and a
-    decode replica that already holds the prompt reads only its last, partial block."""
+    """A mixture-of-experts model's KV is a dense model's (DeepSeek-V3's a block of latents): the hand-off carries it
+    unchanged, greedy and seeded, and a decode replica that already holds the prompt reads only its last, partial
+    block."""
     model = model_factory(arch)
     cases = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
              SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, n=2, seed=3, ignore_eos=True)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import zlib
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from engine.config import SUPPORTED_ARCHITECTURES, auto_dtype, load_spec
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from raypd.tools.tiny import build_tiny_model
+from tests.conftest import perturb
 
 # Each variant exercises what its family adds: biases (+ tied head), per-head q/k norms with a head_dim that is not
 # hidden/heads, and a sliding window shorter than the prompts.
@@ -34,6 +34,15 @@ VARIANTS = {
     "mixtral": dict(arch="mixtral", sliding_window=8),
     # Qwen2-MoE: q/k/v biases (perturbed), raw top-k weights and a sigmoid-gated shared expert.
     "qwen2_moe": dict(arch="qwen2_moe"),
+    # DeepSeek-V3: latent attention (q through its low-rank path, interleaved rope), grouped sigmoid routing with a
+    # correction bias (perturbed), a shared expert, the first layer dense; then V2-Lite's q_proj, halves rope and
+    # yarn with mscale_all_dim (the softmax scale changes), renormalization off.
+    "deepseek_v3": dict(arch="deepseek_v3"),
+    "deepseek_v3_yarn": dict(
+        arch="deepseek_v3", q_lora_rank=None, rope_interleave=False, norm_topk_prob=False, attention_bias=True,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=512,
+                             mscale=1.0, mscale_all_dim=1.0),
+    ),
     # A non-default rope whose cos/sin are scaled (attention factor != 1).
     "llama_yarn": dict(
         arch="llama",
@@ -45,20 +54,6 @@ NEW_TOKENS = 8
 TIE_GAP = 1e-4  # PARITY.md: a divergence is acceptable only where the reference's top-2 logits are this close
 
 
-def _perturb(model_dir, seed=0):
-    """Random biases and norm weights: the builder leaves them at 0 and 1, which would hide a bias or norm bug."""
-    for path in sorted(model_dir.glob("*.safetensors")):
-        tensors = load_file(path)
-        for name, t in tensors.items():
-            # Seeded by name, so the same model sharded differently gets the same values.
-            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)
-            if name.endswith(".bias"):
-                tensors[name] = (0.1 * torch.randn(t.shape, generator=gen)).to(t.dtype)
-            elif name.endswith("norm.weight"):
-                tensors[name] = (1 + 0.2 * torch.randn(t.shape, generator=gen)).to(t.dtype)
-        save_file(tensors, path, metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """checkpoint(name, **build_args) -> directory, built once per module."""
@@ -67,7 +62,7 @@ def checkpoint(tmp_path_factory):
     def get(name, **kwargs):
         if name not in built:
             built[name] = build_tiny_model(tmp_path_factory.mktemp(name), **kwargs)
-            _perturb(built[name])
+            perturb(built[name])
         return built[name]
 
     return get

@@ -5,7 +5,9 @@ NIXL agents per rank, against colocated tokens."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import pathlib
 import signal
 
 import numpy as np
@@ -108,6 +110,39 @@ def test_handoff_across_tp_gives_colocated_tokens_and_reads_each_head_once(engin
             assert gen.engine.connector.stats().kv_bytes_read - before == read_blocks * model_block_bytes
             assert gen.engine.stats()["num_reprefills"] == 0
     wait_pools_full(ctx, gen)
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """From config.json alone: an MLA model caches a latent per layer (kv_lora_rank + qk_rope_head_dim), any other
+    keys and values of its KV heads (float32 here)."""
+    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    if "kv_lora_rank" in config:
+        per_layer = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    else:
+        per_layer = 2 * config["num_key_value_heads"] * config["head_dim"]
+    return config["num_hidden_layers"] * per_layer * 4
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_moe_and_latent_models_hand_off_from_two_prefill_ranks_to_one(model_factory, arch):
+    """DeepSeek-V3 (its latent cache whole on each prefill rank: read once, from rank 0) and Qwen3-MoE (KV heads split
+    over the prefill ranks): P TP2 -> D TP1 gives colocated tokens, greedy and seeded n=2; the same prompt again reads
+    only its last block. The bytes read per token are the model's KV per token: for MLA its latents."""
+    model = model_factory(arch)
+    config = dict(block_size=4, dtype="float32", num_threads=1, kv_transfer="nixl")
+    with LLM(model, tensor_parallel_size=2, **config) as ctx, LLM(model, **config) as gen:
+        block_bytes = 4 * kv_bytes_per_token(model)
+        assert gen.engine.kv_cache.layout.block_bytes == block_bytes
+        for k, params in enumerate([GREEDY, SEEDED]):
+            prompt = [7 + (i * 41 + k * 97) % 3000 for i in range(30)]  # 7 blocks + 2
+            want = [o.token_ids for o in gen.generate(prompt, dataclasses.replace(
+                params, cache_salt="reference")).outputs]
+            for read_blocks in (8, 1):
+                before = gen.engine.connector.stats().kv_bytes_read
+                assert [o.token_ids for o in hand_off(ctx, gen, prompt, params).outputs] == want, (arch, read_blocks)
+                assert gen.engine.connector.stats().kv_bytes_read - before == read_blocks * block_bytes
+        assert gen.engine.stats()["num_reprefills"] == 0
+        wait_pools_full(ctx, gen)
 
 
 def test_the_handle_and_card_name_every_prefill_rank(engines):
