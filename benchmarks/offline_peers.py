@@ -1,6 +1,7 @@
 """Offline throughput against vLLM's CPU backend: the same seeded workloads, the same checkpoints, one system at a time.
 
-    python -m benchmarks.offline_peers [--workloads bench-fp32,bench-bf16,qwen-0.5b-bf16,qwen3-moe-fp32,mixtral-fp32]
+    python -m benchmarks.offline_peers [--workloads bench-fp32,bench-bf16,qwen-0.5b-bf16,qwen3-moe-fp32,mixtral-fp32,
+                                              deepseek-v3-fp32]
                                  [--systems raypd,vllm]
                                  [--vllm-python .venv-vllm/bin/python] [--threads 2] [--repeats 1] [--out FILE.md]
 
@@ -50,6 +51,8 @@ QWEN_05B = Checkpoint("models/qwen2.5-0.5b-shapes", "qwen2", "0.5b", "bfloat16")
 # Mixture of experts at the bench size: 8 experts, 2 per token (raypd.tools.tiny's MoE shapes).
 QWEN3_MOE = Checkpoint("models/tiny-qwen3-moe-bench", "qwen3_moe", "bench", "float32")
 MIXTRAL = Checkpoint("models/tiny-mixtral-bench", "mixtral", "bench", "float32")
+# DeepSeek-V3's latent attention and grouped routing at the bench size (raypd.tools.tiny's proportions).
+DEEPSEEK_V3 = Checkpoint("models/tiny-deepseek-v3-bench", "deepseek_v3", "bench", "float32")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ WORKLOADS = {w.name: w for w in (
     Workload("qwen-0.5b-bf16", QWEN_05B, "bfloat16", 16, (64, 512), (16, 128)),
     Workload("qwen3-moe-fp32", QWEN3_MOE, "float32", 32, (16, 256), (16, 128)),
     Workload("mixtral-fp32", MIXTRAL, "float32", 32, (16, 256), (16, 128)),
+    Workload("deepseek-v3-fp32", DEEPSEEK_V3, "float32", 32, (16, 256), (16, 128)),
 )}
 
 

@@ -1,6 +1,6 @@
 """Where a mixture-of-experts layer's time goes: the experts' matmuls, or Python and dispatch around them.
 
-    python -m benchmarks.model.moe [--arch qwen3_moe|mixtral] [--tokens 16,512] [--threads 1] [--steps 20]
+    python -m benchmarks.model.moe [--arch qwen3_moe|mixtral|deepseek_v3] [--tokens 16,512] [--threads 1] [--steps 20]
 
 Builds the bench-size checkpoint (as `make bench-peers` does), then times the sparse MLP of every layer over steps of
 T tokens (a decode batch, a prefill chunk) under torch.profiler: the share of the block's wall time spent inside ops
@@ -16,11 +16,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.offline_peers import MIXTRAL, QWEN3_MOE
+from benchmarks.offline_peers import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE
 from engine.model.causal_lm import CausalLM
 from engine.model.moe import SparseMoe
 
-CHECKPOINTS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
+CHECKPOINTS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "deepseek_v3": DEEPSEEK_V3}
 
 
 def measure(model: CausalLM, tokens: int, steps: int) -> tuple[float, float, int]:
@@ -47,7 +47,7 @@ def measure(model: CausalLM, tokens: int, steps: int) -> tuple[float, float, int
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="qwen3_moe,mixtral", help="comma-separated: qwen3_moe, mixtral")
+    parser.add_argument("--arch", default="qwen3_moe,mixtral", help="comma-separated: qwen3_moe, mixtral, deepseek_v3")
     parser.add_argument("--tokens", default="16,512", help="tokens per step, comma-separated")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
