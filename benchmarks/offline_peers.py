@@ -36,13 +36,14 @@ class Checkpoint:
     arch: str
     size: str
     dtype: str  # the checkpoint's own
+    config: tuple[tuple[str, object], ...] = ()  # config overrides on the size's shapes
 
     def ensure(self) -> str:
         if not (pathlib.Path(self.path) / "config.json").exists():
             from raypd.tools.tiny import build_tiny_model
 
             print(f"building {self.path} ({self.arch}, size {self.size}, {self.dtype})", flush=True)
-            build_tiny_model(self.path, arch=self.arch, size=self.size, dtype=self.dtype)
+            build_tiny_model(self.path, arch=self.arch, size=self.size, dtype=self.dtype, **dict(self.config))
         return self.path
 
 
@@ -51,8 +52,10 @@ QWEN_05B = Checkpoint("models/qwen2.5-0.5b-shapes", "qwen2", "0.5b", "bfloat16")
 # Mixture of experts at the bench size: 8 experts, 2 per token (raypd.tools.tiny's MoE shapes).
 QWEN3_MOE = Checkpoint("models/tiny-qwen3-moe-bench", "qwen3_moe", "bench", "float32")
 MIXTRAL = Checkpoint("models/tiny-mixtral-bench", "mixtral", "bench", "float32")
-# DeepSeek-V3's latent attention and grouped routing at the bench size (raypd.tools.tiny's proportions).
-DEEPSEEK_V3 = Checkpoint("models/tiny-deepseek-v3-bench", "deepseek_v3", "bench", "float32")
+# DeepSeek-V3's latent attention and grouped routing at the bench size, with V2/V3's own per-head and latent widths
+# (a latent of 512 + 64: the only one vLLM's CPU MLA kernel takes).
+DEEPSEEK_V3 = Checkpoint("models/tiny-deepseek-v3-bench", "deepseek_v3", "bench", "float32", config=(
+    ("kv_lora_rank", 512), ("qk_rope_head_dim", 64), ("qk_nope_head_dim", 128), ("v_head_dim", 128)))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                           "DeepseekV3ForCausalLM"}
+                           "DeepseekV3ForCausalLM", "Gemma3ForCausalLM"}
 # Image + text checkpoints whose text part is one of the above (the vision part is engine/multimodal/vision.py's).
 MULTIMODAL_ARCHITECTURES = {"LlavaForConditionalGeneration"}
 # A LLaVA text_config names its family only by model_type.
@@ -90,6 +90,18 @@ class MlaSpec:
 
 
 @dataclass(frozen=True)
+class GemmaSpec:
+    """What Gemma 3's text model does differently (engine/model/gemma.py): norms scale by (1 + weight) in float32, a
+    norm after attention and around the MLP, embeddings times sqrt(hidden_size), gelu-tanh MLPs, the softmax scale
+    from query_pre_attn_scalar, and sliding-window layers with a rope of their own."""
+
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None  # logits = cap * tanh(logits / cap) where set
+    local_rope_inv_freq: tuple[float, ...] = field(repr=False)  # the sliding-window layers' rope (head_dim // 2,)
+    local_rope_attention_scaling: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     architecture: str
     vocab_size: int
@@ -119,6 +131,7 @@ class ModelSpec:
     weight_prefix: str = ""
     moe: MoeSpec | None = None  # a mixture-of-experts model's sparse MLP; None: every layer's MLP is dense
     mla: MlaSpec | None = None  # latent attention (head_dim is then the rope part's); None: q/k/v heads
+    gemma: GemmaSpec | None = None  # Gemma 3's layer structure; rope_inv_freq is then its global layers'
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -140,11 +153,12 @@ def load_spec(model_dir) -> ModelSpec:
     config = top = transformers.AutoConfig.from_pretrained(model_dir)
     if arch in MULTIMODAL_ARCHITECTURES:  # the spec is the text part's; the fingerprint still covers the whole model
         arch, prefix, config = _text_architecture(arch, raw), LLAVA_TEXT_PREFIX, top.text_config
-    if getattr(config, "hidden_act", "silu") != "silu":
+    if arch not in _GEMMA_ARCHITECTURES and getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {config.hidden_act!r} is not supported (only 'silu')")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rope_type, inv_freq, scaling = _rope(config, head_dim)
+    gemma = _gemma(config, head_dim) if arch in _GEMMA_ARCHITECTURES else None
+    rope_type, inv_freq, scaling = _rope(config, head_dim, "full_attention" if gemma else None)
     headers = read_safetensors_headers(model_dir)
     return ModelSpec(
         architecture=arch,
@@ -158,7 +172,7 @@ def load_spec(model_dir) -> ModelSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),  # LLaVA: the top level decides
         **_biases(arch, config),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         sliding_windows=_sliding_windows(arch, config),
         max_position_embeddings=config.max_position_embeddings,
         **_special_ids(model_dir, config),
@@ -170,6 +184,7 @@ def load_spec(model_dir) -> ModelSpec:
         weight_prefix=prefix,
         moe=_moe(arch, config),
         mla=_mla(config) if arch in _MLA_ARCHITECTURES else None,
+        gemma=gemma,
     )
 
 
@@ -205,6 +220,23 @@ def _biases(arch: str, config) -> dict:
 
 
 _MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+_GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
+
+
+def _gemma(config, head_dim: int) -> GemmaSpec:
+    """As Gemma3ForCausalLM reads its text config; what SDPA cannot compute is refused by name."""
+    problems = []
+    if config.hidden_activation != "gelu_pytorch_tanh":
+        problems.append(f"hidden_activation {config.hidden_activation!r} (only 'gelu_pytorch_tanh')")
+    if config.attn_logit_softcapping is not None:
+        problems.append(f"attn_logit_softcapping {config.attn_logit_softcapping} (only null, as Gemma 3 sets it)")
+    if getattr(config, "use_bidirectional_attention", False):
+        problems.append("use_bidirectional_attention (only causal)")
+    if problems:
+        raise ValueError(f"Gemma3ForCausalLM: not supported: {'; '.join(problems)}")
+    _, inv_freq, scaling = _rope(config, head_dim, "sliding_attention")
+    return GemmaSpec(float(config.query_pre_attn_scalar), config.final_logit_softcapping,
+                     tuple(float(f) for f in inv_freq.tolist()), float(scaling))
 
 
 def _mla(config) -> MlaSpec:
@@ -256,10 +288,13 @@ def _sliding_windows(arch: str, config) -> tuple[int | None, ...]:
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
 
 
-def _rope(config, head_dim: int) -> tuple[str, torch.Tensor, float]:
+def _rope(config, head_dim: int, layer_type: str | None = None) -> tuple[str, torch.Tensor, float]:
     """(rope type, inv_freq (head_dim // 2,) fp32, cos/sin scaling). dynamic and longrope match transformers only
-    within the original context length, where transformers does not rescale either."""
+    within the original context length, where transformers does not rescale either. layer_type: the rope of one kind
+    of layer, where the config keeps one per kind (Gemma 3's full and sliding-window layers)."""
     params = config.rope_parameters or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", 10000.0)
@@ -268,7 +303,8 @@ def _rope(config, head_dim: int) -> tuple[str, torch.Tensor, float]:
         return rope_type, inv_freq, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    kind = {} if layer_type is None else dict(layer_type=layer_type)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kind)
     return rope_type, inv_freq.float(), scaling
 
 

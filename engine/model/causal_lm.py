@@ -1,6 +1,7 @@
 """The decoder-only transformer of the Llama family (Llama, Qwen2, Qwen3, Mistral, and the mixture-of-experts
-Qwen2-MoE, Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's) and DeepSeek-V3 (latent attention,
-engine/model/mla.py, and a grouped-routing MoE) over a flat batch and a paged cache.
+Qwen2-MoE, Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's), DeepSeek-V3 (latent attention,
+engine/model/mla.py, and a grouped-routing MoE) and Gemma 3 (its layer: engine/model/gemma.py) over a flat batch and
+a paged cache.
 
 Every op follows transformers' modeling files in order and dtype (see PARITY.md), so greedy tokens match theirs.
 q/k/v and gate/up projections are fused into one matmul each: fewer kernel launches, the same dot products. The
@@ -16,6 +17,7 @@ from engine.model.attention import AttentionMetadata
 from engine.config import ModelSpec, load_spec, run_dtype
 from engine.model.kernels import REFERENCE, TorchOps, apply_rope, select_ops, split_heads
 from engine.model.linear import Linear, can_pack
+from engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm
 from engine.model.mla import MlaAttention
 from engine.model.moe import SparseMoe
 from engine.model.norm import RMSNorm
@@ -35,11 +37,11 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * spec.head_dim, self.num_kv_heads * spec.head_dim
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.attention_bias)
         self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
-        # Qwen3 norms each head of q and k before RoPE.
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
+        # Qwen3 and Gemma 3 norm each head of q and k before RoPE.
+        self.q_norm = _norm(spec, spec.head_dim, ops) if spec.qk_norm else None
+        self.k_norm = _norm(spec, spec.head_dim, ops) if spec.qk_norm else None
         self.window = spec.sliding_windows[layer_idx]
-        self.scale = spec.head_dim**-0.5
+        self.scale = (spec.gemma.query_pre_attn_scalar if spec.gemma else spec.head_dim) ** -0.5
         self.ops = ops
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
@@ -62,10 +64,10 @@ class MLP(nn.Module):
         width = spec.intermediate_size // shard.size
         self.gate_up_proj = Linear(spec.hidden_size, 2 * width, bias=spec.mlp_bias)
         self.down_proj = Linear(width, spec.hidden_size, bias=spec.mlp_bias)
-        self.ops = ops
+        self.act_and_mul = ops.gelu_tanh_and_mul if spec.gemma else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -85,6 +87,16 @@ class DecoderLayer(nn.Module):
         return x + self.shard.reduce(self.mlp(h))
 
 
+def _norm(spec: ModelSpec, dim: int, ops: TorchOps) -> nn.Module:
+    return GemmaRMSNorm(dim, spec.rms_norm_eps) if spec.gemma else RMSNorm(dim, spec.rms_norm_eps, ops)
+
+
+def _decoder_layer(spec: ModelSpec, i: int, ops: TorchOps, shard: Shard) -> nn.Module:
+    if spec.gemma:
+        return GemmaDecoderLayer(spec, Attention(spec, i, ops, shard), MLP(spec, ops, shard), shard)
+    return DecoderLayer(spec, i, ops, shard)
+
+
 class CausalLM(nn.Module):
     """Construct with from_pretrained; the caller runs forward under torch.inference_mode.
 
@@ -98,8 +110,8 @@ class CausalLM(nn.Module):
         self.shard = shard
         self.vocab = shard.split(spec.vocab_size)  # the rows of the embedding table and LM head this rank holds
         self.embed_tokens = nn.Embedding(self.vocab.stop - self.vocab.start, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, ops, shard) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(_decoder_layer(spec, i, ops, shard) for i in range(spec.num_layers))
+        self.norm = _norm(spec, spec.hidden_size, ops)
         self.lm_head = Linear(spec.hidden_size, self.vocab.stop - self.vocab.start, bias=False)
 
     @classmethod
@@ -153,14 +165,20 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def _init_rope(self, device) -> None:
-        # One table for every position: a step then only indexes it. fp32 math, exactly as transformers, then cast.
-        inv_freq = torch.tensor(self.spec.rope_inv_freq, dtype=torch.float32, device=device)  # (head_dim // 2,)
+        # One table for every position: a step then only indexes it. Gemma 3's sliding-window layers have their own.
+        self._rope_table("rope", self.spec.rope_inv_freq, self.spec.rope_attention_scaling, device)
+        if self.spec.gemma:
+            gemma = self.spec.gemma
+            self._rope_table("rope_local", gemma.local_rope_inv_freq, gemma.local_rope_attention_scaling, device)
+
+    def _rope_table(self, name: str, inv_freq, scaling: float, device) -> None:
+        """Buffers {name}_cos, {name}_sin (P, head_dim): fp32 math, exactly as transformers, then cast."""
+        inv_freq = torch.tensor(inv_freq, dtype=torch.float32, device=device)  # (head_dim // 2,)
         positions = torch.arange(self.spec.max_position_embeddings, device=device).float()  # (P,)
         freqs = positions[:, None] * inv_freq  # (P, head_dim // 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, head_dim)
-        scaling = self.spec.rope_attention_scaling
-        self.register_buffer("rope_cos", (emb.cos() * scaling).to(self.dtype), persistent=False)  # (P, head_dim)
-        self.register_buffer("rope_sin", (emb.sin() * scaling).to(self.dtype), persistent=False)  # (P, head_dim)
+        self.register_buffer(f"{name}_cos", (emb.cos() * scaling).to(self.dtype), persistent=False)
+        self.register_buffer(f"{name}_sin", (emb.sin() * scaling).to(self.dtype), persistent=False)
 
     def kv_layout(self, block_size: int) -> KVLayout:
         """The layout of this rank's KV pool: its KV heads."""
@@ -177,9 +195,11 @@ class CausalLM(nn.Module):
         if row_embeds is not None:
             rows, embeds = row_embeds
             x[rows] = embeds.to(x.dtype)  # transformers casts the image features to the embeddings' dtype too
-        cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
-        sin = self.rope_sin[positions].unsqueeze(1)  # (T, 1, head_dim)
+        rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))  # (T, 1, head_dim)
+        local = (self.rope_local_cos[positions].unsqueeze(1), self.rope_local_sin[positions].unsqueeze(1)) \
+            if self.spec.gemma else rope
         for i, layer in enumerate(self.layers):
+            cos, sin = local if self.spec.sliding_windows[i] else rope
             x = layer(x, cos, sin, meta, *kv_cache.layer(i))
         return self.norm(x)
 
@@ -187,17 +207,22 @@ class CausalLM(nn.Module):
         """Token embeddings (T, hidden). Under tensor parallelism each rank looks up the ids of its vocabulary rows,
         zeros the others, and the ranks' rows are summed (vocab-parallel, as vLLM's VocabParallelEmbedding)."""
         if self.shard.size == 1:
-            return self.embed_tokens(input_ids)
-        mine = (input_ids >= self.vocab.start) & (input_ids < self.vocab.stop)  # (T,)
-        x = self.embed_tokens(torch.where(mine, input_ids - self.vocab.start, 0))  # (T, hidden)
-        return self.shard.reduce(x.masked_fill_(~mine[:, None], 0))
+            x = self.embed_tokens(input_ids)
+        else:
+            mine = (input_ids >= self.vocab.start) & (input_ids < self.vocab.stop)  # (T,)
+            x = self.embed_tokens(torch.where(mine, input_ids - self.vocab.start, 0))  # (T, hidden)
+            x = self.shard.reduce(x.masked_fill_(~mine[:, None], 0))
+        if self.spec.gemma:  # Gemma 3 scales its embeddings by sqrt(hidden_size), a float32 scalar cast to the dtype
+            x = x * torch.tensor(self.spec.hidden_size**0.5).to(x.dtype)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (R, hidden) -> logits (R, vocab) float32. Under tensor parallelism a collective: each rank
         computes its vocabulary rows' logits and the ranks' zero-padded slices are summed, on every rank."""
-        local = self.lm_head(hidden).float()  # (R, this rank's vocab rows)
-        if self.shard.size == 1:
-            return local
-        logits = local.new_zeros((hidden.shape[0], self.spec.vocab_size))  # (R, vocab)
-        logits[:, self.vocab] = local
-        return self.shard.reduce(logits)
+        logits = self.lm_head(hidden).float()  # (R, this rank's vocab rows)
+        if self.shard.size > 1:
+            whole = logits.new_zeros((hidden.shape[0], self.spec.vocab_size))  # (R, vocab)
+            whole[:, self.vocab] = logits
+            logits = self.shard.reduce(whole)
+        cap = self.spec.gemma.final_logit_softcapping if self.spec.gemma else None
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -48,6 +48,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(T, 2I) -> gelu_tanh(gate) * up (T, I): Gemma's gelu_pytorch_tanh."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rope(self, qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int):
         """qkv (T, (heads + 2 kv_heads) * head_dim), cos/sin (T, 1, head_dim) -> rotated q (T, heads, head_dim),
         rotated k and v (T, kv_heads, head_dim)."""

@@ -32,6 +32,16 @@ class Expert(nn.Module):
         return self.w2(self.ops.silu_and_mul(self.w13(x)))
 
 
+class Router(nn.Module):
+    """The router's weight (experts, hidden), read by F.linear as transformers reads it (never packed: its logits
+    choose experts), and DeepSeek-V3's per-expert correction bias, added to the scores that choose experts only."""
+
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if correction_bias else None
+
+
 class SparseMoe(nn.Module):
     """Under tensor parallelism each rank holds a slice of every expert's width (engine/parallel/shard.py says why)
     and a whole router: its output is this rank's part of the sum."""
@@ -40,12 +50,9 @@ class SparseMoe(nn.Module):
         super().__init__()
         moe = spec.moe
         self.moe = moe
-        # the router: nn.Linear, never packed, so its logits are F.linear's as in transformers (they choose experts)
-        self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
+        self.gate = Router(spec.hidden_size, moe.num_experts, correction_bias=moe.scoring == "sigmoid")
         self.experts = nn.ModuleList(Expert(spec.hidden_size, moe.intermediate_size // shard.size, ops)
                                      for _ in range(moe.num_experts))
-        if moe.scoring == "sigmoid":  # added to the scores that choose experts, not to their weights
-            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts), requires_grad=False)
         if moe.shared_intermediate_size:
             self.shared_expert = Expert(spec.hidden_size, moe.shared_intermediate_size // shard.size, ops)
         if moe.shared_intermediate_size and moe.shared_gated:

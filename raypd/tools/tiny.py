@@ -26,7 +26,7 @@ import transformers
 from safetensors import safe_open
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # "llava" wraps one of them
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")  # "llava" wraps one of the first four
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")  # DeepSeek-V3: latent attention too
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES  # text-only
 VISION_TOWERS = ("clip", "siglip")
@@ -165,6 +165,7 @@ _CONFIGS = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 # Mixture-of-experts shapes: 8 experts, 2 per token, each expert a quarter of the dense MLP (Qwen3-30B-A3B's ratio
 # of 128 experts at 8 per token, scaled down); Qwen3-MoE's first layer dense, to cover mixed stacks; Qwen2-MoE's
@@ -315,7 +316,17 @@ def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
                       shared_expert_intermediate_size=size.intermediate_size // 2)
     if arch == "deepseek_v3":
         kwargs.update(_deepseek_v3_kwargs(size))
+    if arch == "gemma3":
+        # Gemma 3's 5 sliding-window layers to 1 global, at a tiny depth: every third layer global (below); its
+        # head_dim and query_pre_attn_scalar follow the width here (256 in Gemma 3). The head is untied, unlike
+        # Gemma's: with random weights, a tied head scores the input token far above the rest and greedy decoding
+        # repeats it (tie_word_embeddings=True builds the tied form).
+        head = size.hidden_size // size.num_attention_heads
+        kwargs.update(head_dim=head, query_pre_attn_scalar=head, sliding_window=64, tie_word_embeddings=False)
     kwargs.update(overrides)
+    if arch == "gemma3":
+        kwargs.setdefault("layer_types", ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                                          for i in range(kwargs["num_hidden_layers"])])
     if arch in ("qwen3", "qwen3_moe"):
         # Qwen3's default head_dim (128) ignores hidden_size / num_attention_heads.
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
@@ -330,7 +341,9 @@ def _deepseek_v3_kwargs(size: TinySize) -> dict:
     return dict(num_key_value_heads=size.num_attention_heads, q_lora_rank=size.hidden_size // 2,
                 kv_lora_rank=2 * head, qk_nope_head_dim=head, qk_rope_head_dim=head // 2, v_head_dim=head,
                 n_routed_experts=_MOE_EXPERTS, num_experts_per_tok=_MOE_TOP_K, n_group=4, topk_group=2,
-                n_shared_experts=1, moe_intermediate_size=size.intermediate_size // 4, first_k_dense_replace=1)
+                n_shared_experts=1, moe_intermediate_size=size.intermediate_size // 4, first_k_dense_replace=1,
+                # what DeepSeek-V3's own config.json says of its router (transformers assumes it; vLLM reads it)
+                topk_method="noaux_tc", scoring_func="sigmoid")
 
 
 def make_config(arch: str = "llama", size: str = "tiny", image_token: bool = False, **config_overrides):

@@ -83,6 +83,29 @@ def test_preemption_by_recompute_keeps_tokens(tiny_llama):
         assert_same_tokens(got[i][0][0], tokens, gaps, f"prompt {i}")
 
 
+@pytest.mark.parametrize("arch, overrides", [("deepseek_v3", {}), ("qwen3_moe", {}),
+                                             ("gemma3", dict(sliding_window=8))])
+def test_new_families_under_chunking_and_preemption_match_transformers(model_factory, arch, overrides):
+    """DeepSeek-V3 (latents written by prefill chunks, read back expanded by later chunks and absorbed by decode;
+    recomputed after preemption), Qwen3-MoE, and Gemma 3 with prompts longer than its window: greedy tokens and
+    their logprobs as transformers'."""
+    model_dir = model_factory(arch, **overrides)
+    ref = Reference(model_dir)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    engine = LLMEngine(model_dir, EngineConfig(block_size=4, num_blocks=24, max_num_batched_tokens=16))
+    batch = prompts(4, 18, 26, seed=7)  # ~40 tokens each: 4 need ~40 blocks of the 24
+    got = run(engine, {0: [(i, p, params) for i, p in enumerate(batch)]})
+    assert engine.scheduler.num_preemptions > 0
+    for i, p in enumerate(batch):
+        tokens, gaps, ref_lps = ref.greedy(p, params.max_tokens)
+        ours, lps = got[i][0]
+        assert_same_tokens(ours, tokens, gaps, f"{arch} prompt {i}")
+        for pos, (tok, entry) in enumerate(zip(ours, lps)):
+            if tok != tokens[pos]:
+                break
+            assert abs(entry[tok].logprob - float(ref_lps[pos][tok])) < 1e-4, f"{arch} prompt {i} pos {pos}"
+
+
 def test_logprobs_equal_transformers_log_softmax(tiny_llama):
     ref = Reference(tiny_llama)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)

@@ -43,6 +43,15 @@ VARIANTS = {
         rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=512,
                              mscale=1.0, mscale_all_dim=1.0),
     ),
+    # Gemma 3: (1 + w) norms in float32, four norms a layer, q/k norms, scaled embeddings, gelu-tanh, two ropes
+    # (sliding-window layers: base 10000; global: 1e6), a window shorter than the prompts; then the tied head (its
+    # greedy tokens repeat: random weights) with final logit soft-capping and a linear-scaled global rope.
+    "gemma3": dict(arch="gemma3", sliding_window=8),
+    "gemma3_tied": dict(
+        arch="gemma3", sliding_window=8, tie_word_embeddings=True, final_logit_softcapping=30.0,
+        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                             sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
+    ),
     # A non-default rope whose cos/sin are scaled (attention factor != 1).
     "llama_yarn": dict(
         arch="llama",

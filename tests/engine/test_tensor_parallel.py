@@ -22,12 +22,14 @@ from tests.engine.test_engine import prompts
 
 # What each family adds under sharding: biases of q/k/v and o_proj (o_proj's added once), a tied head; per-head
 # q/k norms with a head_dim that is not hidden / heads; experts split inside, and a shared expert with its gate;
-# latent attention (heads split, the latent cache whole on every rank) with grouped routing.
+# latent attention (heads split, the latent cache whole on every rank) with grouped routing; Gemma 3's layer (its
+# post-attention norm after the all-reduce) and scaled embeddings over vocab-parallel rows.
 VARIANTS = {
     "llama": dict(arch="llama", attention_bias=True, tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3", head_dim=48),
     "qwen2_moe": dict(arch="qwen2_moe"),
     "deepseek_v3": dict(arch="deepseek_v3", attention_bias=True),
+    "gemma3": dict(arch="gemma3", sliding_window=8, attention_bias=True),
 }
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
 LOGPROB_TOL = 1e-4
