@@ -20,7 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                           "DeepseekV3ForCausalLM", "Gemma3ForCausalLM"}
+                           "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"}
 # Image + text checkpoints whose text part is one of the above (the vision part is engine/multimodal/vision.py's).
 MULTIMODAL_ARCHITECTURES = {"LlavaForConditionalGeneration"}
 # A LLaVA text_config names its family only by model_type.
@@ -57,10 +57,15 @@ class MoeSpec:
     # DeepSeek-V3's router: sigmoid scores; the experts chosen by score + a per-expert correction bias, only from
     # the topk_groups groups (of num_groups) whose two best experts score highest; the chosen scores (renormalized
     # or not) times routed_scaling_factor are the weights. "softmax": the top_k softmax probabilities.
-    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    # gpt-oss's: the top_k router logits (the router has a bias), then their softmax ("topk_softmax").
+    scoring: str = "softmax"  # "softmax" | "sigmoid" | "topk_softmax"
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # gpt-oss's experts: biases, gate and up interleaved, gate clamped above and up both ways at swiglu_limit,
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate). None: SiLU-gated experts without biases.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
@@ -132,6 +137,7 @@ class ModelSpec:
     moe: MoeSpec | None = None  # a mixture-of-experts model's sparse MLP; None: every layer's MLP is dense
     mla: MlaSpec | None = None  # latent attention (head_dim is then the rope part's); None: q/k/v heads
     gemma: GemmaSpec | None = None  # Gemma 3's layer structure; rope_inv_freq is then its global layers'
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -185,6 +191,7 @@ def load_spec(model_dir) -> ModelSpec:
         moe=_moe(arch, config),
         mla=_mla(config) if arch in _MLA_ARCHITECTURES else None,
         gemma=gemma,
+        attention_sinks=arch == "GptOssForCausalLM",
     )
 
 
@@ -273,6 +280,11 @@ def _moe(arch: str, config) -> MoeSpec | None:
                        shared_intermediate_size=width * config.n_shared_experts or None, shared_gated=False,
                        scoring="sigmoid", num_groups=config.n_group, topk_groups=config.topk_group,
                        routed_scaling_factor=float(config.routed_scaling_factor))
+    if arch == "GptOssForCausalLM":
+        return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+                       renormalize=False, weights_in_model_dtype=True, sparse_layers=(True,) * n,
+                       scoring="topk_softmax", swiglu_limit=float(config.swiglu_limit),
+                       swiglu_alpha=float(config.swiglu_alpha))
     return None
 
 

@@ -56,7 +56,7 @@ def perturb(model_dir, seed: int = 0) -> None:
         tensors = load_file(path)
         for name, t in tensors.items():
             gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)  # by name: shard-independent
-            if name.endswith((".bias", ".e_score_correction_bias")):  # the latter: DeepSeek-V3's router's
+            if name.endswith((".bias", "_bias")):  # "_bias": DeepSeek-V3's router's, gpt-oss's experts'
                 tensors[name] = (0.1 * torch.randn(t.shape, generator=gen)).to(t.dtype)
             elif _NORM_WEIGHT.search(name):
                 tensors[name] = (1 + 0.2 * torch.randn(t.shape, generator=gen)).to(t.dtype)

@@ -272,3 +272,44 @@ def prefill_attention(q, k, v, k_cache, v_cache, plan: _PrefillPlan, mask, scale
         enable_gqa=True,
     )  # (1, heads, n, head_dim)
     return out[0].transpose(0, 1)
+
+
+def paged_attention_with_sinks(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window, sinks):
+    """paged_attention with gpt-oss's sinks (heads,): each head's learned logit joins every softmax's denominator
+    (and no value), in transformers' eager order: scores, mask, the sink appended, the max subtracted, softmax."""
+    k_cache[meta.write_blocks, meta.write_offsets] = k
+    v_cache[meta.write_blocks, meta.write_offsets] = v
+    decode_masks, prefill_masks = meta.masks(window, q.dtype)
+    out = torch.empty_like(q)  # (T, heads, head_dim)
+    for plan, mask in zip(meta.decode, decode_masks):
+        keys = gather_blocks(k_cache, plan.blocks).flatten(1, 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
+        values = gather_blocks(v_cache, plan.blocks).flatten(1, 2).transpose(1, 2)
+        out[plan.rows] = _sink_softmax(q[plan.rows][:, :, None], keys, values, mask, scale, sinks)[:, :, 0]
+    for plan, mask in zip(meta.prefills, prefill_masks):
+        rows = slice(plan.row, plan.row + plan.num_new)
+        if plan.blocks is None:
+            keys, values = k[rows], v[rows]
+            mask = _additive(_visible(torch.arange(plan.num_new)[:, None], torch.arange(plan.num_new), window),
+                             q.dtype)[None, None]  # the causal mask SDPA would have made
+        else:
+            context = plan.start + plan.num_new
+            keys = gather_blocks(k_cache, plan.blocks).flatten(0, 1)[:context]  # (context, kv_heads, head_dim)
+            values = gather_blocks(v_cache, plan.blocks).flatten(0, 1)[:context]
+        attended = _sink_softmax(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                 values.transpose(0, 1)[None], mask, scale, sinks)  # (1, heads, n, head_dim)
+        out[rows] = attended[0].transpose(0, 1)
+    return out
+
+
+def _sink_softmax(q, keys, values, mask, scale, sinks) -> torch.Tensor:
+    """q (B, heads, n, d), keys/values (B, kv_heads, L, d), mask additive (B | 1, 1, n, L) or None -> (B, heads, n, d)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # (B, heads, n, L)
+    if mask is not None:
+        scores = scores + mask
+    sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)  # (B, heads, n, 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)

@@ -1,7 +1,7 @@
 """The decoder-only transformer of the Llama family (Llama, Qwen2, Qwen3, Mistral, and the mixture-of-experts
 Qwen2-MoE, Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's), DeepSeek-V3 (latent attention,
-engine/model/mla.py, and a grouped-routing MoE) and Gemma 3 (its layer: engine/model/gemma.py) over a flat batch and
-a paged cache.
+engine/model/mla.py, and a grouped-routing MoE), Gemma 3 (its layer: engine/model/gemma.py) and gpt-oss (attention
+sinks, clamped-SwiGLU experts) over a flat batch and a paged cache.
 
 Every op follows transformers' modeling files in order and dtype (see PARITY.md), so greedy tokens match theirs.
 q/k/v and gate/up projections are fused into one matmul each: fewer kernel launches, the same dot products. The
@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, paged_attention_with_sinks
 from engine.config import ModelSpec, load_spec, run_dtype
 from engine.model.kernels import REFERENCE, TorchOps, apply_rope, select_ops, split_heads
 from engine.model.linear import Linear, can_pack
 from engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm
 from engine.model.mla import MlaAttention
-from engine.model.moe import SparseMoe
+from engine.model.moe import ClampedSwigluExperts, SparseMoe
 from engine.model.norm import RMSNorm
 from engine.kv.kv_cache import KVCache, KVLayout
 from engine.parallel.shard import SINGLE, Shard, check_shardable
@@ -42,6 +42,7 @@ class Attention(nn.Module):
         self.k_norm = _norm(spec, spec.head_dim, ops) if spec.qk_norm else None
         self.window = spec.sliding_windows[layer_idx]
         self.scale = (spec.gemma.query_pre_attn_scalar if spec.gemma else spec.head_dim) ** -0.5
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.attention_sinks else None  # gpt-oss
         self.ops = ops
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
@@ -52,7 +53,10 @@ class Attention(nn.Module):
         else:
             q, k, v = split_heads(qkv, *heads)
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
-        out = self.ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # (T, heads, hd)
+        if self.sinks is None:
+            out = self.ops.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # (T, heads, hd)
+        else:
+            out = paged_attention_with_sinks(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.sinks)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -159,6 +163,8 @@ class CausalLM(nn.Module):
                     proj = module.down_proj if isinstance(module, MLP) else module.o_proj
                     if proj.bias is not None:
                         proj.bias.zero_()
+                if isinstance(module, ClampedSwigluExperts):
+                    module.down_proj_bias.zero_()
 
     @property
     def dtype(self) -> torch.dtype:

@@ -29,7 +29,10 @@ _EXPERTS = {
     "Qwen3MoeForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "MixtralForCausalLM": ("block_sparse_moe", {"w13": ("w1", "w3"), "w2": ("w2",)}),
     "DeepseekV3ForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
+    "GptOssForCausalLM": ("mlp", {}),  # its experts are stacked tensors, named as ours (ClampedSwigluExperts)
 }
+# Where the checkpoint keeps the router (ours: gate), where it is not "gate".
+_ROUTER = {"GptOssForCausalLM": "router"}
 # Where the checkpoint keeps the shared expert (ours: shared_expert), where it is not Qwen2-MoE's name.
 _SHARED_EXPERT = {"DeepseekV3ForCausalLM": "shared_experts"}
 # Checkpoint tensors that carry no weights of ours (old exports saved RoPE buffers).
@@ -69,16 +72,20 @@ class _Source:
 
     name: str
     shape: tuple[int, ...]
-    rows: slice | None = None  # None: all
+    rows: slice | None = None  # None: all. Of a 3-d tensor (stacked experts): its second and third dimensions
     cols: slice | None = None
 
     @property
     def num_rows(self) -> int:
+        if len(self.shape) == 3:  # every expert
+            return self.shape[0]
         return len(range(*(self.rows or slice(None)).indices(self.shape[0])))
 
     def read(self, f) -> torch.Tensor:
         rows, cols = self.rows or slice(None), self.cols or slice(None)
         part = f.get_slice(self.name)  # reads only the part asked for
+        if len(self.shape) == 3:
+            return part[:, rows, cols]
         return part[rows] if len(self.shape) == 1 else part[rows, cols]
 
 
@@ -102,11 +109,15 @@ def _sources(ours: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shard) -
         return [_Source(name, (spec.vocab_size, shape[1]), rows=shard.split(spec.vocab_size))]
     if spec.moe is not None and any(f".mlp.{part}." in ours for part in ("gate", "experts", "shared_expert")):
         names, width = _moe_names(ours, spec)
+        if spec.moe.swiglu_limit is not None and ".experts." in ours:  # gpt-oss's stacked experts
+            return [_stacked_experts(names[0], shape, spec, shard)]
         if width is None:  # the router
             return [_Source(names[0], shape)]
         if ".w2." in ours:
             return [_Source(names[0], (shape[0], width), cols=shard.split(width))]
         return [_Source(n, (width, *shape[1:]), rows=shard.split(width)) for n in names]
+    if ours.endswith("self_attn.sinks"):  # one per query head
+        return [_Source(f"{prefix}model.{ours}", (spec.num_heads,), rows=shard.heads(spec))]
     if spec.mla is not None and ".self_attn." in ours:
         return [_mla_source(f"{prefix}model.{ours}", shape, spec, shard)]
     for fused, parts in _FUSED.items():
@@ -122,6 +133,21 @@ def _sources(ours: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shard) -
         width = spec.intermediate_size
         return [_Source(name, (shape[0], width), cols=shard.split(width))]
     return [_Source(name, shape)]
+
+
+def _stacked_experts(name: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shard) -> _Source:
+    """gpt-oss's experts, each rank's width slice: gate_up_proj's interleaved (gate, up) column pairs of it and
+    their biases, down_proj's rows of it; down_proj's bias whole (rank 0 adds it)."""
+    width, experts = spec.moe.intermediate_size, spec.moe.num_experts
+    mine = shard.split(width)
+    pairs = slice(2 * mine.start, 2 * mine.stop)
+    if name.endswith("gate_up_proj"):
+        return _Source(name, (experts, spec.hidden_size, 2 * width), cols=pairs)
+    if name.endswith("gate_up_proj_bias"):
+        return _Source(name, (experts, 2 * width), cols=pairs)
+    if name.endswith("down_proj"):
+        return _Source(name, (experts, width, spec.hidden_size), rows=mine)
+    return _Source(name, shape)
 
 
 def _mla_source(name: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shard) -> _Source:
@@ -159,6 +185,7 @@ def _moe_names(ours: str, spec: ModelSpec) -> tuple[list[str], int | None]:
     block, parts = _EXPERTS[spec.architecture]
     name = f"{spec.weight_prefix}model.{ours.replace('.mlp.', f'.{block}.', 1)}"
     name = name.replace(".shared_expert.", f".{_SHARED_EXPERT.get(spec.architecture, 'shared_expert')}.")
+    name = name.replace(".mlp.gate.", f".mlp.{_ROUTER.get(spec.architecture, 'gate')}.")
     head, leaf, tail = name.rpartition(".w13." if ".w13." in name else ".w2.")
     if not leaf:  # the router
         return [name], None

@@ -1,12 +1,15 @@
-"""The sparse MLP of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3): a router picks top_k
-experts per token (DeepSeek-V3's only from its best groups); each expert is a SiLU-gated MLP (Qwen2-MoE adds a shared
-expert every token takes, gated by a sigmoid; DeepSeek-V3 one ungated).
+"""The sparse MLP of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss): a router picks
+top_k experts per token (DeepSeek-V3's only from its best groups); each expert is a SiLU-gated MLP (Qwen2-MoE adds a
+shared expert every token takes, gated by a sigmoid; DeepSeek-V3 one ungated), or gpt-oss's clamped SwiGLU with
+biases.
 Tokens are grouped by expert, so one step runs one gate/up and one down matmul per expert it hit, whatever the number
 of tokens; the experts' outputs are summed in ascending expert order, as transformers' loop does, so fp32 results
 match its own. Each expert's projections are `Linear`s: packed for oneDNN like the dense layers' where the CPU runs
 the dtype there."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +35,41 @@ class Expert(nn.Module):
         return self.w2(self.ops.silu_and_mul(self.w13(x)))
 
 
+class ClampedSwigluExperts(nn.Module):
+    """gpt-oss's experts, held as its checkpoint holds them: gate_up_proj (experts, hidden, 2 * width) with gate and
+    up columns interleaved, down_proj (experts, width, hidden), and their biases. experts[e](x) runs expert e as
+    transformers' loop does. Under tensor parallelism a rank holds each expert's width slice (its interleaved pairs
+    are contiguous columns); down_proj's bias is added by rank 0 alone."""
+
+    def __init__(self, hidden_size: int, width: int, num_experts: int, limit: float, alpha: float):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * width))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * width))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.limit, self.alpha = limit, alpha
+
+    def __getitem__(self, expert: int):
+        return functools.partial(self.run, expert)
+
+    def run(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden)."""
+        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]  # (T, 2 * width)
+        gate = gate_up[..., ::2].clamp(min=None, max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        gated = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # (T, width)
+        return gated @ self.down_proj[expert] + self.down_proj_bias[expert]
+
+
 class Router(nn.Module):
     """The router's weight (experts, hidden), read by F.linear as transformers reads it (never packed: its logits
-    choose experts), and DeepSeek-V3's per-expert correction bias, added to the scores that choose experts only."""
+    choose experts); gpt-oss's bias; DeepSeek-V3's per-expert correction bias, added to the scores that choose experts
+    only."""
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool):
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool, correction_bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if correction_bias else None
 
 
@@ -50,9 +81,14 @@ class SparseMoe(nn.Module):
         super().__init__()
         moe = spec.moe
         self.moe = moe
-        self.gate = Router(spec.hidden_size, moe.num_experts, correction_bias=moe.scoring == "sigmoid")
-        self.experts = nn.ModuleList(Expert(spec.hidden_size, moe.intermediate_size // shard.size, ops)
-                                     for _ in range(moe.num_experts))
+        self.gate = Router(spec.hidden_size, moe.num_experts, bias=moe.scoring == "topk_softmax",
+                           correction_bias=moe.scoring == "sigmoid")
+        width = moe.intermediate_size // shard.size
+        if moe.swiglu_limit is not None:
+            self.experts = ClampedSwigluExperts(spec.hidden_size, width, moe.num_experts, moe.swiglu_limit,
+                                                moe.swiglu_alpha)
+        else:
+            self.experts = nn.ModuleList(Expert(spec.hidden_size, width, ops) for _ in range(moe.num_experts))
         if moe.shared_intermediate_size:
             self.shared_expert = Expert(spec.hidden_size, moe.shared_intermediate_size // shard.size, ops)
         if moe.shared_intermediate_size and moe.shared_gated:
@@ -68,6 +104,9 @@ class SparseMoe(nn.Module):
         """x (T, hidden) -> (weights (T, top_k), experts (T, top_k) long), as the family's router computes them."""
         if self.moe.scoring == "sigmoid":
             return self._grouped_route(x)
+        if self.moe.scoring == "topk_softmax":  # gpt-oss: the softmax of the top logits, in the model's dtype
+            top, experts = torch.topk(F.linear(x, self.gate.weight, self.gate.bias), self.moe.top_k, dim=-1)
+            return F.softmax(top, dim=1, dtype=top.dtype), experts
         probs = F.softmax(F.linear(x, self.gate.weight).float(), dim=-1)  # (T, experts) float32
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)  # (T, top_k)
         if self.moe.renormalize:

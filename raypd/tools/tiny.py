@@ -27,7 +27,8 @@ from safetensors import safe_open
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")  # "llava" wraps one of the first four
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")  # DeepSeek-V3: latent attention too
+# DeepSeek-V3: latent attention too; gpt-oss: attention sinks and alternating sliding windows
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES  # text-only
 VISION_TOWERS = ("clip", "siglip")
 
@@ -166,6 +167,7 @@ _CONFIGS = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 # Mixture-of-experts shapes: 8 experts, 2 per token, each expert a quarter of the dense MLP (Qwen3-30B-A3B's ratio
 # of 128 experts at 8 per token, scaled down); Qwen3-MoE's first layer dense, to cover mixed stacks; Qwen2-MoE's
@@ -323,6 +325,8 @@ def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
         # repeats it (tie_word_embeddings=True builds the tied form).
         head = size.hidden_size // size.num_attention_heads
         kwargs.update(head_dim=head, query_pre_attn_scalar=head, sliding_window=64, tie_word_embeddings=False)
+    if arch == "gpt_oss":
+        kwargs.update(_gpt_oss_kwargs(size))
     kwargs.update(overrides)
     if arch == "gemma3":
         kwargs.setdefault("layer_types", ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
@@ -344,6 +348,18 @@ def _deepseek_v3_kwargs(size: TinySize) -> dict:
                 n_shared_experts=1, moe_intermediate_size=size.intermediate_size // 4, first_k_dense_replace=1,
                 # what DeepSeek-V3's own config.json says of its router (transformers assumes it; vLLM reads it)
                 topk_method="noaux_tc", scoring_func="sigmoid")
+
+
+def _gpt_oss_kwargs(size: TinySize) -> dict:
+    """gpt-oss's structure scaled down: 8 experts, 2 per token, each a quarter of the dense width; sliding-window and
+    full layers alternating (window 64 here, 128 in gpt-oss); its yarn rope (factor 32, beta 32 / 1) over a
+    pre-yarn context of 1/32 of the size's. Weights drawn at std 0.1, not 0.15: its experts' (up + 1) grows the
+    residual stream ~10x at 0.15, and fp32 rounding with it (logprobs 3e-4 from transformers' where 0.1 gives 3e-5)."""
+    return dict(initializer_range=0.1, num_local_experts=_MOE_EXPERTS, num_experts_per_tok=_MOE_TOP_K,
+                intermediate_size=size.intermediate_size // 4, head_dim=size.hidden_size // size.num_attention_heads,
+                sliding_window=64, rope_parameters=dict(
+                    rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0,
+                    original_max_position_embeddings=size.max_position_embeddings // 32))
 
 
 def make_config(arch: str = "llama", size: str = "tiny", image_token: bool = False, **config_overrides):

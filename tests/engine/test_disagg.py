@@ -251,12 +251,12 @@ def test_more_imports_than_seats_wait_in_their_queue(tiny_llama):
         gen.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gemma3", "gpt_oss"])
 def test_other_families_hand_off_the_same_tokens_with_decode_side_prefix_hits(model_factory, arch):
     """A mixture-of-experts model's KV is a dense model's (DeepSeek-V3's a block of latents; Gemma 3's every layer's,
     sliding-window ones included): the hand-off carries it unchanged, greedy and seeded, and a decode replica that
     already holds the prompt reads only its last, partial block."""
-    model = model_factory(arch, **({"sliding_window": 8} if arch == "gemma3" else {}))
+    model = model_factory(arch, **({"sliding_window": 8} if arch in ("gemma3", "gpt_oss") else {}))
     cases = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
              SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, n=2, seed=3, ignore_eos=True)]
     with LLM(model, block_size=4, kv_transfer="nixl") as ctx, LLM(model, block_size=4, kv_transfer="nixl") as gen:

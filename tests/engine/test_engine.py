@@ -84,11 +84,11 @@ def test_preemption_by_recompute_keeps_tokens(tiny_llama):
 
 
 @pytest.mark.parametrize("arch, overrides", [("deepseek_v3", {}), ("qwen3_moe", {}),
-                                             ("gemma3", dict(sliding_window=8))])
+                                             ("gemma3", dict(sliding_window=8)), ("gpt_oss", dict(sliding_window=8))])
 def test_new_families_under_chunking_and_preemption_match_transformers(model_factory, arch, overrides):
     """DeepSeek-V3 (latents written by prefill chunks, read back expanded by later chunks and absorbed by decode;
-    recomputed after preemption), Qwen3-MoE, and Gemma 3 with prompts longer than its window: greedy tokens and
-    their logprobs as transformers'."""
+    recomputed after preemption), Qwen3-MoE, and Gemma 3 and gpt-oss with prompts longer than their windows: greedy
+    tokens and their logprobs as transformers'."""
     model_dir = model_factory(arch, **overrides)
     ref = Reference(model_dir)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)

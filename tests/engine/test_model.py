@@ -52,6 +52,9 @@ VARIANTS = {
         rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
                              sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
     ),
+    # gpt-oss: attention sinks, sliding-window and full layers alternating (a window shorter than the prompts), q/k/v/o
+    # biases, a router with a bias and a softmax over its top-k logits, clamped-SwiGLU experts with biases, yarn rope.
+    "gpt_oss": dict(arch="gpt_oss", sliding_window=8),
     # A non-default rope whose cos/sin are scaled (attention factor != 1).
     "llama_yarn": dict(
         arch="llama",

@@ -30,6 +30,7 @@ VARIANTS = {
     "qwen2_moe": dict(arch="qwen2_moe"),
     "deepseek_v3": dict(arch="deepseek_v3", attention_bias=True),
     "gemma3": dict(arch="gemma3", sliding_window=8, attention_bias=True),
+    "gpt_oss": dict(arch="gpt_oss", sliding_window=8),  # sinks split by heads, each expert's width by ranks
 }
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
 LOGPROB_TOL = 1e-4
