@@ -26,7 +26,8 @@ import transformers
 from safetensors import safe_open
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")  # "llava" wraps one of the first four
+LLAVA_TEXT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # what "llava" wraps
+DENSE_ARCHITECTURES = (*LLAVA_TEXT_ARCHITECTURES, "gemma3")
 # DeepSeek-V3: latent attention too; gpt-oss: attention sinks and alternating sliding windows
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES  # text-only
@@ -521,7 +522,7 @@ def main(argv=None) -> None:
     parser.add_argument("--size", default="tiny", choices=tuple(SIZES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=tuple(_DTYPES))
-    parser.add_argument("--text-arch", default="llama", choices=DENSE_ARCHITECTURES,
+    parser.add_argument("--text-arch", default="llama", choices=LLAVA_TEXT_ARCHITECTURES,
                         help="the text model of a llava")
     parser.add_argument("--vision", default="clip", choices=VISION_TOWERS, help="vision tower of --arch llava")
     args = parser.parse_args(argv)

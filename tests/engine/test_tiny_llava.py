@@ -34,7 +34,7 @@ def built(tmp_path_factory):
     return build
 
 
-@pytest.mark.parametrize("text_arch", tiny.DENSE_ARCHITECTURES)
+@pytest.mark.parametrize("text_arch", tiny.LLAVA_TEXT_ARCHITECTURES)
 @pytest.mark.parametrize("vision", tiny.VISION_TOWERS)
 def test_transformers_loads_model_processor_and_generates(built, text_arch, vision):
     path = built(f"{vision}-{text_arch}", text_arch=text_arch, vision=vision)
