@@ -20,7 +20,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                           "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"}
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
+                           "GptOssForCausalLM"}
 # Image + text checkpoints whose text part is one of the above (the vision part is engine/multimodal/vision.py's).
 MULTIMODAL_ARCHITECTURES = {"LlavaForConditionalGeneration"}
 # A LLaVA text_config names its family only by model_type.
@@ -56,7 +57,8 @@ class MoeSpec:
     shared_gated: bool = True
     # DeepSeek-V3's router: sigmoid scores; the experts chosen by score + a per-expert correction bias, only from
     # the topk_groups groups (of num_groups) whose two best experts score highest; the chosen scores (renormalized
-    # or not) times routed_scaling_factor are the weights. "softmax": the top_k softmax probabilities.
+    # or not) times routed_scaling_factor are the weights. "softmax": the top_k softmax probabilities (DeepSeek-V2's
+    # only from the topk_groups groups with the highest best expert, times routed_scaling_factor).
     # gpt-oss's: the top_k router logits (the router has a bias), then their softmax ("topk_softmax").
     scoring: str = "softmax"  # "softmax" | "sigmoid" | "topk_softmax"
     num_groups: int = 1
@@ -66,6 +68,7 @@ class MoeSpec:
     # (up + 1) * gate * sigmoid(swiglu_alpha * gate). None: SiLU-gated experts without biases.
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    router_float32: bool = False  # DeepSeek's router weight stays float32 whatever the model's dtype
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
@@ -226,7 +229,7 @@ def _biases(arch: str, config) -> dict:
     return dict(attention_bias=attn, o_bias=attn, mlp_bias=mlp)
 
 
-_MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+_MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
 
 
@@ -247,7 +250,9 @@ def _gemma(config, head_dim: int) -> GemmaSpec:
 
 
 def _mla(config) -> MlaSpec:
-    """As DeepseekV3Attention reads its config; its head_dim is the rope part's (what _rope rotates)."""
+    """As DeepseekV2/V3Attention read their config; head_dim is the rope part's (what _rope rotates). V2 rotates
+    (even, odd) pairs as complex numbers: the same rotation as V3's rope_interleave (its output keeps the pairs
+    where V3's splits them into halves, the same for q . k)."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     rope = config.rope_parameters or {}
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
@@ -255,7 +260,7 @@ def _mla(config) -> MlaSpec:
         mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
         scale = scale * mscale * mscale
     return MlaSpec(config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
-                   config.v_head_dim, bool(config.rope_interleave), scale)
+                   config.v_head_dim, bool(getattr(config, "rope_interleave", True)), scale)
 
 
 def _moe(arch: str, config) -> MoeSpec | None:
@@ -279,7 +284,15 @@ def _moe(arch: str, config) -> MoeSpec | None:
                        renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=False, sparse_layers=sparse,
                        shared_intermediate_size=width * config.n_shared_experts or None, shared_gated=False,
                        scoring="sigmoid", num_groups=config.n_group, topk_groups=config.topk_group,
-                       routed_scaling_factor=float(config.routed_scaling_factor))
+                       routed_scaling_factor=float(config.routed_scaling_factor), router_float32=True)
+    if arch == "DeepseekV2ForCausalLM":  # never renormalizes; groups only with group_limited_greedy
+        sparse = tuple(i >= config.first_k_dense_replace for i in range(n))
+        width, grouped = config.moe_intermediate_size, config.topk_method == "group_limited_greedy"
+        return MoeSpec(config.n_routed_experts, config.num_experts_per_tok, width, renormalize=False,
+                       weights_in_model_dtype=False, sparse_layers=sparse,
+                       shared_intermediate_size=width * config.n_shared_experts or None, shared_gated=False,
+                       num_groups=config.n_group if grouped else 1, topk_groups=config.topk_group if grouped else 1,
+                       routed_scaling_factor=float(config.routed_scaling_factor), router_float32=True)
     if arch == "GptOssForCausalLM":
         return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
                        renormalize=False, weights_in_model_dtype=True, sparse_layers=(True,) * n,

@@ -28,13 +28,14 @@ _EXPERTS = {
     "Qwen2MoeForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "Qwen3MoeForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "MixtralForCausalLM": ("block_sparse_moe", {"w13": ("w1", "w3"), "w2": ("w2",)}),
+    "DeepseekV2ForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "DeepseekV3ForCausalLM": ("mlp", {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}),
     "GptOssForCausalLM": ("mlp", {}),  # its experts are stacked tensors, named as ours (ClampedSwigluExperts)
 }
 # Where the checkpoint keeps the router (ours: gate), where it is not "gate".
 _ROUTER = {"GptOssForCausalLM": "router"}
 # Where the checkpoint keeps the shared expert (ours: shared_expert), where it is not Qwen2-MoE's name.
-_SHARED_EXPERT = {"DeepseekV3ForCausalLM": "shared_experts"}
+_SHARED_EXPERT = {"DeepseekV2ForCausalLM": "shared_experts", "DeepseekV3ForCausalLM": "shared_experts"}
 # Checkpoint tensors that carry no weights of ours (old exports saved RoPE buffers).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 

@@ -95,9 +95,9 @@ class SparseMoe(nn.Module):
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
 
     def keep_router_float32(self) -> None:
-        """DeepSeek-V3 keeps its router in float32 whatever the model's dtype (transformers'
-        _keep_in_fp32_modules_strict); the softmax routers run in the model's."""
-        if self.moe.scoring == "sigmoid":
+        """DeepSeek keeps its router in float32 whatever the model's dtype (transformers'
+        _keep_in_fp32_modules_strict); the other routers run in the model's."""
+        if self.moe.router_float32:
             self.gate.float()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,11 +107,21 @@ class SparseMoe(nn.Module):
         if self.moe.scoring == "topk_softmax":  # gpt-oss: the softmax of the top logits, in the model's dtype
             top, experts = torch.topk(F.linear(x, self.gate.weight, self.gate.bias), self.moe.top_k, dim=-1)
             return F.softmax(top, dim=1, dtype=top.dtype), experts
-        probs = F.softmax(F.linear(x, self.gate.weight).float(), dim=-1)  # (T, experts) float32
-        weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)  # (T, top_k)
-        if self.moe.renormalize:
+        moe = self.moe
+        logits = F.linear(x.float(), self.gate.weight) if moe.router_float32 else F.linear(x, self.gate.weight)
+        probs = F.softmax(logits.float(), dim=-1)  # (T, experts) float32
+        if moe.num_groups > 1:  # DeepSeek-V2's group_limited_greedy: the groups with the highest best expert
+            best = probs.view(x.shape[0], moe.num_groups, -1).max(dim=-1).values  # (T, groups)
+            groups = torch.topk(best, k=moe.topk_groups, dim=-1, sorted=False)[1]  # (T, topk_groups)
+            keep = torch.zeros_like(best).scatter_(1, groups, 1).bool()  # (T, groups)
+            probs = probs.masked_fill(~keep[:, :, None].expand(-1, -1, moe.num_experts // moe.num_groups)
+                                      .reshape(x.shape[0], -1), 0.0)
+        weights, experts = torch.topk(probs, moe.top_k, dim=-1)  # (T, top_k)
+        if moe.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights.to(x.dtype) if self.moe.weights_in_model_dtype else weights), experts
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
+        return (weights.to(x.dtype) if moe.weights_in_model_dtype else weights), experts
 
     def _grouped_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's: float32 weights (T, top_k), experts (T, top_k), in DeepseekV3TopkRouter's ops and order."""

@@ -28,8 +28,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 LLAVA_TEXT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # what "llava" wraps
 DENSE_ARCHITECTURES = (*LLAVA_TEXT_ARCHITECTURES, "gemma3")
-# DeepSeek-V3: latent attention too; gpt-oss: attention sinks and alternating sliding windows
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+# DeepSeek-V2 and V3: latent attention too; gpt-oss: attention sinks and alternating sliding windows
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES  # text-only
 VISION_TOWERS = ("clip", "siglip")
 
@@ -166,6 +166,7 @@ _CONFIGS = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
@@ -319,6 +320,9 @@ def _config_kwargs(arch: str, size: TinySize, overrides: dict) -> dict:
                       shared_expert_intermediate_size=size.intermediate_size // 2)
     if arch == "deepseek_v3":
         kwargs.update(_deepseek_v3_kwargs(size))
+    if arch == "deepseek_v2":  # V2-Lite's form: q_proj without a low rank, greedy softmax routing, no groups
+        kwargs.update(_deepseek_v3_kwargs(size), q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1,
+                      n_shared_experts=2, routed_scaling_factor=1.0, norm_topk_prob=False, scoring_func="softmax")
     if arch == "gemma3":
         # Gemma 3's 5 sliding-window layers to 1 global, at a tiny depth: every third layer global (below); its
         # head_dim and query_pre_attn_scalar follow the width here (256 in Gemma 3). The head is untied, unlike

@@ -251,9 +251,10 @@ def test_more_imports_than_seats_wait_in_their_queue(tiny_llama):
         gen.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gemma3",
+                                  "gpt_oss"])
 def test_other_families_hand_off_the_same_tokens_with_decode_side_prefix_hits(model_factory, arch):
-    """A mixture-of-experts model's KV is a dense model's (DeepSeek-V3's a block of latents; Gemma 3's every layer's,
+    """A mixture-of-experts model's KV is a dense model's (DeepSeek's a block of latents; Gemma 3's every layer's,
     sliding-window ones included): the hand-off carries it unchanged, greedy and seeded, and a decode replica that
     already holds the prompt reads only its last, partial block."""
     model = model_factory(arch, **({"sliding_window": 8} if arch in ("gemma3", "gpt_oss") else {}))

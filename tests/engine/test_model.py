@@ -43,6 +43,11 @@ VARIANTS = {
         rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=512,
                              mscale=1.0, mscale_all_dim=1.0),
     ),
+    # DeepSeek-V2-Lite's form (q_proj, complex-pair rope, greedy softmax routing in float32, two shared experts),
+    # then V2's group-limited routing with q's low-rank path and a routed scaling factor.
+    "deepseek_v2": dict(arch="deepseek_v2"),
+    "deepseek_v2_grouped": dict(arch="deepseek_v2", q_lora_rank=64, topk_method="group_limited_greedy", n_group=4,
+                                topk_group=2, routed_scaling_factor=2.0),
     # Gemma 3: (1 + w) norms in float32, four norms a layer, q/k norms, scaled embeddings, gelu-tanh, two ropes
     # (sliding-window layers: base 10000; global: 1e6), a window shorter than the prompts; then the tied head (its
     # greedy tokens repeat: random weights) with final logit soft-capping and a linear-scaled global rope.
