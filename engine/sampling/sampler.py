@@ -2,7 +2,9 @@
 min-p; logprobs with ranks; reproducible seeded draws.
 
 A seeded draw depends only on (seed, candidate index, position), never on the batch or the worker, so a request
-gives the same tokens colocated or disaggregated, alone or batched.
+gives the same tokens colocated or disaggregated, alone or batched. How a row is sampled (the fused C++ pass or the
+torch path, whose probabilities differ in the last bits) depends on that row's parameters alone, not on its
+neighbours': a row near a boundary of its draw would otherwise flip with the company it keeps.
 """
 
 from __future__ import annotations
@@ -44,9 +46,22 @@ class Sampler:
         self._kernels = kernels
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
-        """logits: (R, vocab) fp32, one row per entry of rows."""
-        if self._kernels is not None and all(_fusable(r.params) for r in rows):
+        """logits: (R, vocab) fp32, one row per entry of rows. Fusable rows take the fused pass, the others the
+        torch path, whatever the step's other rows are."""
+        fused = [i for i, r in enumerate(rows) if _fusable(r.params)] if self._kernels is not None else []
+        if len(fused) == len(rows):
             return self._fused(logits, rows)
+        if not fused:
+            return self._general(logits, rows)
+        rest = [i for i, r in enumerate(rows) if not _fusable(r.params)]
+        out: list[Sample | None] = [None] * len(rows)
+        for part, sample in ((fused, self._fused), (rest, self._general)):
+            for i, s in zip(part, sample(logits[part], [rows[i] for i in part])):
+                out[i] = s
+        return out
+
+    def _general(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
+        """Logits processors, temperature, top-k / top-p / min-p, top logprobs: every row (R, vocab)."""
         scores, masked = logits, logits
         if any(r.params.processes_logits for r in rows):  # else the common path: no copy, no per-row work
             scores, masked = process_logits(logits, rows)

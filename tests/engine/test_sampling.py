@@ -227,3 +227,26 @@ def test_unseeded_rows_drawn_together_follow_each_rows_distribution(fused):
         assert torch.allclose(counts[r] / draws, expected, atol=0.03), (r, counts[r] / draws, expected)
     assert counts[:, 4].sum() == 0  # the masked token, never
     assert counts[2, 0] == draws  # the greedy row is not drawn
+
+
+def test_a_rows_draw_does_not_depend_on_its_neighbours():
+    """A seeded row is sampled the same way (the fused pass, here) whether the step's other rows need the torch path
+    (top logprobs, a penalty) or not: token and logprob bit for bit, over many draws. Both paths weigh tokens a little
+    differently, so a draw near a boundary would otherwise flip with the batch it lands in."""
+    from engine.model.kernels import cpu_kernels
+    from engine.sampling.sampler import Sampler
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ kernels on this machine")
+    sampler = Sampler(seed=0, kernels=kernels)
+    gen = torch.Generator().manual_seed(3)
+    neighbours = [SamplingParams(temperature=0.8, max_tokens=1, logprobs=2),
+                  SamplingParams(temperature=0.8, max_tokens=1, frequency_penalty=0.5)]
+    for position in range(200):
+        logits = torch.randn(2, 4096, generator=gen) * 3  # (2, vocab)
+        row = SampleRow(SamplingParams(temperature=0.8, seed=9, n=2, max_tokens=1), 1, position)
+        alone = sampler(logits[:1], [row])[0]
+        for other in neighbours:
+            beside = sampler(logits, [row, SampleRow(other, 0, position, token_ids=[5, 6])])[0]
+            assert (beside.token_id, beside.logprob) == (alone.token_id, alone.logprob), (position, other)
