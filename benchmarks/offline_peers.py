@@ -107,7 +107,7 @@ def run_raypd(spec_path: str, out_path: str) -> None:
     spec = json.loads(pathlib.Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     start = time.perf_counter()
-    engine = LLMEngine(spec["model"], EngineConfig(dtype=spec["dtype"]))
+    engine = LLMEngine(spec["model"], EngineConfig(dtype=spec["dtype"], batch_invariant=spec["batch_invariant"]))
     init_s = time.perf_counter() - start
 
     def generate(prompts, lens):
@@ -132,7 +132,8 @@ def run_raypd(spec_path: str, out_path: str) -> None:
     outputs, logprobs = generate(spec["prompts"], spec["output_lens"])
     wall = time.perf_counter() - start
     c = engine.config
-    note = f"raypd, max_num_batched_tokens={c.max_num_batched_tokens}, max_num_seqs={c.max_num_seqs}"
+    note = f"raypd, max_num_batched_tokens={c.max_num_batched_tokens}, max_num_seqs={c.max_num_seqs}" + \
+        (", batch_invariant" if c.batch_invariant else "")
     result = dict(wall_s=wall, init_s=init_s, outputs=outputs, logprobs=logprobs, note=note)
     pathlib.Path(out_path).write_text(json.dumps(result))
 
@@ -245,7 +246,7 @@ HEADER = ("| workload | requests | prompt | output | raypd tok/s | vLLM tok/s | 
 
 
 def bench(w: Workload, systems: list[str], args) -> str | None:
-    spec = make_spec(w, args.seed, args.threads)
+    spec = dict(make_spec(w, args.seed, args.threads), batch_invariant=args.batch_invariant)
     results: dict[str, dict] = {}
     for _ in range(args.repeats):
         for system in systems:
@@ -278,6 +279,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-parity", dest="parity", action="store_false",
                         help="skip the teacher-forced comparison with transformers")
     parser.add_argument("--out", default=None, help="also write the table here as markdown")
+    parser.add_argument("--batch-invariant", action="store_true", help="raypd with EngineConfig.batch_invariant")
     parser.add_argument("--run-raypd", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 

@@ -176,6 +176,11 @@ class EngineSettings(_Strict):
     kv_transfer_timeout_s: float = Field(10.0, ge=1, description="A decode engine's budget to read one request's "
                                                                  "prompt KV; past it the decode engine prefills the "
                                                                  "prompt itself (one with images fails, named).")
+    batch_invariant: bool = Field(False, description="Every query attends through one per-query kernel, prefill "
+                                                     "tokens too, so a sequence's logits are the same bits however "
+                                                     "it is batched, chunked, handed off or resumed: seeded "
+                                                     "sampling then survives faults token for token. Costs prefill "
+                                                     "speed; one rank per role; not for latent attention or sinks.")
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> EngineSettings:
@@ -398,6 +403,8 @@ class RaypdConfig(_Strict):
             if heads and (heads % size or (kv % size if size <= kv else size % kv)):
                 raise ValueError(f"{role}.tensor_parallel_size {size} does not divide the model's "
                                  f"{heads} attention heads and {kv} KV heads")
+            if size > 1 and self.engine.batch_invariant:
+                raise ValueError(f"engine.batch_invariant is built for one rank; {role}.tensor_parallel_size is {size}")
         return self
 
     @field_validator("postproc")
@@ -449,6 +456,7 @@ class RaypdConfig(_Strict):
                             device=e.device, num_threads=e.num_threads, seed=e.seed,
                             enable_prefix_caching=e.enable_prefix_caching, kv_lease_s=e.kv_lease_s,
                             kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key,
+                            batch_invariant=e.batch_invariant,
                             tensor_parallel_size=getattr(self, role).tensor_parallel_size if role else 1, **pool)
 
 

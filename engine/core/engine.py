@@ -47,6 +47,10 @@ class EngineConfig:
     # Ranks the model is split over (engine/parallel/): this engine is rank 0; the others are started as processes on
     # this host unless the engine is given them (a Ray replica starts them as actors).
     tensor_parallel_size: int = 1
+    # Every query attends through the one per-query kernel, prefill tokens too: a sequence's logits are then the same
+    # bits whatever it is batched with, however its prompt is chunked, wherever it was prefilled, and after a resume
+    # (the linears, norms and sampler are per-row already). Costs prefill speed (docs/performance.md). One rank only.
+    batch_invariant: bool = False
 
     def pool_blocks(self, layout: KVLayout) -> int:
         """How many KV blocks of this layout the pool holds: num_blocks, or as many as kv_cache_bytes holds."""
@@ -57,6 +61,9 @@ class EngineConfig:
                      "kv_transfer_timeout_s", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("EngineConfig.batch_invariant is built for one rank; tensor_parallel_size is "
+                             f"{self.tensor_parallel_size}")
 
 
 def _local_ranks(model_dir: str, config: EngineConfig, kv_transfer: bool) -> RankGroup | None:
@@ -98,7 +105,8 @@ class LLMEngine:
 
     def _build(self, model_dir: str, config: EngineConfig, connector: KVConnector | None) -> None:
         shard = self.ranks.shard if self.ranks is not None else SINGLE
-        self.model = CausalLM.from_pretrained(model_dir, dtype=config.dtype, device=config.device, shard=shard)
+        self.model = CausalLM.from_pretrained(model_dir, dtype=config.dtype, device=config.device, shard=shard,
+                                              batch_invariant=config.batch_invariant)
         self.spec = self.model.spec
         layout = self.model.kv_layout(config.block_size)
         num_blocks = config.pool_blocks(layout)

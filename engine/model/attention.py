@@ -64,7 +64,7 @@ class AttentionMetadata:
     """
 
     def __init__(self, num_tokens, write_blocks, write_offsets, tables, starts, starts_list, first_row, decode_index,
-                 prefills, block_size):
+                 prefills, block_size, positions=None, seq_of_token=None):
         self.num_tokens = num_tokens
         self.device = write_blocks.device
         self.write_blocks = write_blocks  # (T,) block of each new token
@@ -76,6 +76,8 @@ class AttentionMetadata:
         self._decode_index = decode_index  # slices with one new token, in flat-batch order
         self.prefills: list[_PrefillPlan] = prefills
         self.block_size = block_size
+        self._positions = positions  # (T,) each token's position in its sequence
+        self._seq_of_token = seq_of_token  # (T,) its slice
         self._masks: dict[tuple, tuple] = {}
 
     @classmethod
@@ -102,7 +104,7 @@ class AttentionMetadata:
         decode_index = [i for i, n in enumerate(counts_list) if n == 1]
         prefills = _prefill_plans(slices, tables, first_rows, block_size)
         return cls(rows, write_blocks, pos % block_size, tables, starts, starts_list, first_row, decode_index,
-                   prefills, block_size)
+                   prefills, block_size, pos, seq_of_token)
 
     @property
     def num_decode(self) -> int:
@@ -121,6 +123,14 @@ class AttentionMetadata:
         width = _blocks_needed(max(self._starts_list[i] for i in self._decode_index) + 1, self.block_size)
         tables = self._tables[idx, :width].to(torch.int32).contiguous()  # (D, width)
         return DecodeBatch(rows=self._first_row[idx], tables=tables, context_lens=starts + 1)
+
+    @functools.cached_property
+    def query_batch(self) -> DecodeBatch:
+        """Every token of the step as a query of its own over its sequence's cache (prefill chunks' tokens too): what
+        a batch-invariant step attends with, each query the same way whatever the batch or chunk around it."""
+        return DecodeBatch(rows=torch.arange(self.num_tokens, device=self.device),
+                           tables=self._tables[self._seq_of_token].to(torch.int32).contiguous(),
+                           context_lens=self._positions + 1)
 
     def masks(self, window: int | None, dtype: torch.dtype) -> tuple[list, list]:
         """(one mask (D, 1, 1, L) or None per decode bucket, one mask (1, 1, n, L) or None per prefill), additive

@@ -120,16 +120,21 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: str | None = None, device="cpu", ops: TorchOps | None = None,
-                        pack: bool = True, shard: Shard = SINGLE) -> CausalLM:
+                        pack: bool = True, shard: Shard = SINGLE, batch_invariant: bool = False) -> CausalLM:
         """ops: None picks the fastest that runs here (select_ops); pack: repack linear weights for oneDNN where
-        this CPU runs the dtype there (Linear.pack); shard: load only this rank's part of the weights."""
+        this CPU runs the dtype there (Linear.pack); shard: load only this rank's part of the weights;
+        batch_invariant: every query attends through the per-query kernel (select_ops; refused where a layer
+        attends otherwise: latent attention, sinks)."""
         from engine.model.loader import load_weights  # the loader names this module's parameters
 
         spec = load_spec(model_dir)
         dtype = run_dtype(dtype, spec.checkpoint_dtype, device)
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-        ops = ops or select_ops(DTYPES[dtype], device)
+        if batch_invariant and (spec.mla or spec.attention_sinks):
+            raise ValueError(f"batch_invariant: {spec.architecture}'s attention (latent or with sinks) runs through "
+                             "torch, whose kernels are not per-query invariant")
+        ops = ops or select_ops(DTYPES[dtype], device, batch_invariant)
         check_shardable(spec, shard.size)
         with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
             model = cls(spec, ops, shard)

@@ -82,10 +82,13 @@ class CpuKernelOps(TorchOps):
 
     name = "cpu-kernels"
 
-    def __init__(self, module):
+    def __init__(self, module, batch_invariant: bool = False):
         self.k = module
         self._prefill_bf16 = module.prefill_available()  # built for a CPU with AVX512-BF16 (AMX or not)
         self.prefill_tiles = True  # AMX tiles where the CPU has them; False: its VDPBF16PS path (tests run both)
+        # Every query (prefill tokens too) attends through the per-query decode kernel: a token's attention, and so
+        # its sequence's logits, are then the same bits however the step batches, chunks or resumes it.
+        self.batch_invariant = batch_invariant
 
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or not x.is_contiguous():
@@ -112,6 +115,11 @@ class CpuKernelOps(TorchOps):
         self.k.write_kv(k, v, k_cache, v_cache, meta.write_blocks, meta.write_offsets)
         q = q.contiguous()
         out = torch.empty_like(q)  # (T, heads, head_dim)
+        if self.batch_invariant:
+            batch = meta.query_batch
+            self.k.decode_attention(out, q, k_cache, v_cache, batch.tables, batch.rows, batch.context_lens,
+                                    window or 0, scale)
+            return out
         if meta.num_decode:
             batch = meta.decode_batch
             self.k.decode_attention(out, q, k_cache, v_cache, batch.tables, batch.rows, batch.context_lens,
@@ -137,12 +145,15 @@ class CpuKernelOps(TorchOps):
 REFERENCE = TorchOps()
 
 
-def select_ops(dtype: torch.dtype, device) -> TorchOps:
-    """The C++ kernels for a CPU model when they build here, else the reference."""
-    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return REFERENCE
-    module = cpu_kernels()
-    return CpuKernelOps(module) if module is not None else REFERENCE
+def select_ops(dtype: torch.dtype, device, batch_invariant: bool = False) -> TorchOps:
+    """The C++ kernels for a CPU model when they build here, else the reference. batch_invariant needs the kernels
+    (the reference path pads decode batches to their longest sequence): a ValueError says so where they are not."""
+    cpu = torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    module = cpu_kernels() if cpu else None
+    if batch_invariant and module is None:
+        raise ValueError("batch_invariant needs raypd's C++ CPU kernels (a CPU model whose kernels build here); "
+                         f"this engine runs {dtype} on {device}" + ("" if not cpu else " and they did not build"))
+    return CpuKernelOps(module, batch_invariant) if module is not None else REFERENCE
 
 
 @functools.cache
