@@ -7,7 +7,8 @@ Each seeded request (temperature 0.8, n=2, like a user's retry-safe sampling) ru
 its prompt prefilled in one piece, and then all together with a 64-token step budget, so prompts are chunked, share
 steps with other prompts' chunks and with other requests' decodes (what a resume or a re-prefill after a fault
 does to a request's KV). Printed per dtype and mode: the requests whose tokens differ between the two runs, the
-earliest position they part at, and the batched run's output tok/s. A benchmark, not a test.
+earliest position they part at, the batched run's output tok/s, and the prefill tok/s of long prompts (8 of 1536
+tokens, one output token each), where attending query by query costs most. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -50,7 +51,18 @@ def measure(model: str, dtype: str, invariant: bool, prompts: dict[int, list[int
     parted = [p for p in (first_difference(alone[rid], together[rid]) for rid in prompts) if p is not None]
     rate = len(prompts) * params.n * tokens / wall
     return (f"| {dtype} | {'on' if invariant else 'off'} | {len(parted)} of {len(prompts)} | "
-            f"{min(parted) if parted else '-'} | {rate:.0f} |")
+            f"{min(parted) if parted else '-'} | {rate:.0f} | {long_prefill_rate(model, config):.0f} |")
+
+
+def long_prefill_rate(model: str, config: EngineConfig, count: int = 8, length: int = 1536) -> float:
+    """Prompt tokens per second over `count` fresh prompts of `length` tokens (after a warm-up prompt)."""
+    rng = random.Random(1)
+    engine = LLMEngine(model, config)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    generate(engine, {0: [rng.randrange(10, 8000) for _ in range(256)]}, one)
+    start = time.perf_counter()
+    generate(engine, {rid: [rng.randrange(10, 8000) for _ in range(length)] for rid in range(count)}, one)
+    return count * length / (time.perf_counter() - start)
 
 
 def first_difference(a: list[list[int]], b: list[list[int]]) -> int | None:
@@ -73,7 +85,7 @@ def main(argv=None) -> None:
     rng = random.Random(0)
     prompts = {rid: [rng.randrange(10, 8000) for _ in range(rng.randint(16, 256))] for rid in range(args.requests)}
     print("| dtype | batch_invariant | requests whose tokens differ, alone vs batched | earliest position | "
-          "batched output tok/s |\n|---|---|---|---:|---:|")
+          "batched output tok/s | prefill tok/s, 1536-token prompts |\n|---|---|---|---:|---:|---:|")
     for dtype in args.dtypes.split(","):
         for invariant in (False, True):
             print(measure(model, dtype, invariant, prompts, args.tokens), flush=True)
