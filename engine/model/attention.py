@@ -140,6 +140,14 @@ class AttentionMetadata:
             self._masks[key] = [_additive(_decode_mask(p, self.block_size, window), dtype) for p in self.decode]
         return self._masks[key], self.prefill_masks(window, dtype)
 
+    def causal_mask(self, n: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """The additive (1, 1, n, n) mask of a chunk of n tokens starting its sequence, built once per step."""
+        key = ("causal", n, window, dtype)
+        if key not in self._masks:
+            positions = torch.arange(n, device=self.device)
+            self._masks[key] = _additive(_visible(positions[:, None], positions, window), dtype)[None, None]
+        return self._masks[key]
+
     def prefill_masks(self, window: int | None, dtype: torch.dtype) -> list:
         key = ("prefill", window, dtype)
         if key not in self._masks:
@@ -299,8 +307,7 @@ def paged_attention_with_sinks(q, k, v, k_cache, v_cache, meta: AttentionMetadat
         rows = slice(plan.row, plan.row + plan.num_new)
         if plan.blocks is None:
             keys, values = k[rows], v[rows]
-            mask = _additive(_visible(torch.arange(plan.num_new)[:, None], torch.arange(plan.num_new), window),
-                             q.dtype)[None, None]  # the causal mask SDPA would have made
+            mask = meta.causal_mask(plan.num_new, window, q.dtype)  # the mask SDPA's is_causal would have made
         else:
             context = plan.start + plan.num_new
             keys = gather_blocks(k_cache, plan.blocks).flatten(0, 1)[:context]  # (context, kv_heads, head_dim)

@@ -1,6 +1,6 @@
 """The decoder-only transformer of the Llama family (Llama, Qwen2, Qwen3, Mistral, and the mixture-of-experts
-Qwen2-MoE, Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's), DeepSeek-V3 (latent attention,
-engine/model/mla.py, and a grouped-routing MoE), Gemma 3 (its layer: engine/model/gemma.py) and gpt-oss (attention
+Qwen2-MoE, Qwen3-MoE and Mixtral, whose sparse MLP is engine/model/moe.py's), DeepSeek-V2/V3 (latent attention,
+engine/model/mla.py, and a group-routed MoE), Gemma 3 (its layer: engine/model/gemma.py) and gpt-oss (attention
 sinks, clamped-SwiGLU experts) over a flat batch and a paged cache.
 
 Every op follows transformers' modeling files in order and dtype (see PARITY.md), so greedy tokens match theirs.

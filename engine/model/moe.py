@@ -1,11 +1,11 @@
-"""The sparse MLP of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss): a router picks
-top_k experts per token (DeepSeek-V3's only from its best groups); each expert is a SiLU-gated MLP (Qwen2-MoE adds a
-shared expert every token takes, gated by a sigmoid; DeepSeek-V3 one ungated), or gpt-oss's clamped SwiGLU with
-biases.
+"""The sparse MLP of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3, gpt-oss): a router
+picks top_k experts per token (DeepSeek's only from its best groups where configured); each expert is a SiLU-gated
+MLP (Qwen2-MoE adds a shared expert every token takes, gated by a sigmoid; DeepSeek ungated ones), or gpt-oss's
+clamped SwiGLU with biases.
 Tokens are grouped by expert, so one step runs one gate/up and one down matmul per expert it hit, whatever the number
 of tokens; the experts' outputs are summed in ascending expert order, as transformers' loop does, so fp32 results
-match its own. Each expert's projections are `Linear`s: packed for oneDNN like the dense layers' where the CPU runs
-the dtype there."""
+match its own. Each SiLU expert's projections are `Linear`s: packed for oneDNN like the dense layers' where the CPU
+runs the dtype there (gpt-oss's stacked experts multiply as transformers does, unpacked)."""
 
 from __future__ import annotations
 
