@@ -52,7 +52,7 @@ class MoeSpec:
     weights_in_model_dtype: bool  # Qwen3-MoE casts the routing weights to the model dtype; Mixtral keeps float32
     sparse_layers: tuple[bool, ...]  # per layer: the sparse block, or the dense MLP (intermediate_size)
     # A shared expert every token goes through (None: none): Qwen2-MoE scales it by sigmoid(shared_expert_gate(x)),
-    # DeepSeek-V3 adds it as is (its n_shared_experts experts as one of their summed width).
+    # DeepSeek adds it as is (its n_shared_experts experts as one of their summed width).
     shared_intermediate_size: int | None = None
     shared_gated: bool = True
     # DeepSeek-V3's router: sigmoid scores; the experts chosen by score + a per-expert correction bias, only from
@@ -277,21 +277,17 @@ def _moe(arch: str, config) -> MoeSpec | None:
         return MoeSpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                        renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=True, sparse_layers=sparse,
                        shared_intermediate_size=shared)
-    if arch == "DeepseekV3ForCausalLM":
-        sparse = tuple(i >= config.first_k_dense_replace and config.n_routed_experts > 0 for i in range(n))
+    if arch in _MLA_ARCHITECTURES:  # DeepSeek: dense first layers, then routed experts and ungated shared ones
+        v3 = arch == "DeepseekV3ForCausalLM"
+        grouped = v3 or config.topk_method == "group_limited_greedy"
         width = config.moe_intermediate_size
         return MoeSpec(config.n_routed_experts, config.num_experts_per_tok, width,
-                       renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=False, sparse_layers=sparse,
+                       renormalize=v3 and bool(config.norm_topk_prob),  # V2's router never renormalizes
+                       weights_in_model_dtype=False,
+                       sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(n)),
                        shared_intermediate_size=width * config.n_shared_experts or None, shared_gated=False,
-                       scoring="sigmoid", num_groups=config.n_group, topk_groups=config.topk_group,
-                       routed_scaling_factor=float(config.routed_scaling_factor), router_float32=True)
-    if arch == "DeepseekV2ForCausalLM":  # never renormalizes; groups only with group_limited_greedy
-        sparse = tuple(i >= config.first_k_dense_replace for i in range(n))
-        width, grouped = config.moe_intermediate_size, config.topk_method == "group_limited_greedy"
-        return MoeSpec(config.n_routed_experts, config.num_experts_per_tok, width, renormalize=False,
-                       weights_in_model_dtype=False, sparse_layers=sparse,
-                       shared_intermediate_size=width * config.n_shared_experts or None, shared_gated=False,
-                       num_groups=config.n_group if grouped else 1, topk_groups=config.topk_group if grouped else 1,
+                       scoring="sigmoid" if v3 else "softmax", num_groups=config.n_group if grouped else 1,
+                       topk_groups=config.topk_group if grouped else 1,
                        routed_scaling_factor=float(config.routed_scaling_factor), router_float32=True)
     if arch == "GptOssForCausalLM":
         return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
