@@ -241,6 +241,8 @@ def test_a_tensor_parallel_role_is_a_placement_group_of_its_bundles(workdir):
     ({"decode": {"tensor_parallel_size": 4, "num_cpus": 1}}, "decode.tensor_parallel_size 4 does not divide .* 2 KV"),
     ({"postproc": {"tensor_parallel_size": 2}}, "postproc runs no model shards"),
     ({"prefill": {"tensor_parallel_size": 2, "num_cpus": 0}}, "each bundle .* needs something to reserve"),
+    ({"engine": {"batch_invariant": True}, "decode": {"tensor_parallel_size": 2, "num_cpus": 1}},
+     "batch_invariant is built for one rank; decode.tensor_parallel_size is 2"),
 ])
 def test_what_cannot_split_or_place_is_named_before_anything_starts(workdir, roles, message):
     with pytest.raises(ConfigError, match=message):
