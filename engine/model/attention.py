@@ -260,11 +260,26 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache.flatten(1).index_select(0, blocks.flatten()).view(*blocks.shape, *cache.shape[1:])
 
 
+def _decode_context(k_cache, v_cache, plan: _DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode bucket's keys and values, each (D, kv_heads, L, head_dim), gathered from the cache."""
+    keys = gather_blocks(k_cache, plan.blocks).flatten(1, 2).transpose(1, 2)
+    return keys, gather_blocks(v_cache, plan.blocks).flatten(1, 2).transpose(1, 2)
+
+
+def _chunk_context(k, v, k_cache, v_cache, plan: _PrefillPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's keys and values, each (context, kv_heads, head_dim): its own k, v when it starts its sequence
+    (no need to read back what was just written), else its whole context from the cache."""
+    if plan.blocks is None:
+        return k, v
+    context = plan.start + plan.num_new
+    keys = gather_blocks(k_cache, plan.blocks).flatten(0, 1)[:context]
+    return keys, gather_blocks(v_cache, plan.blocks).flatten(0, 1)[:context]
+
+
 def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, mask, scale) -> torch.Tensor:
     d, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    keys = gather_blocks(k_cache, plan.blocks).flatten(1, 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
-    values = gather_blocks(v_cache, plan.blocks).flatten(1, 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
+    keys, values = _decode_context(k_cache, v_cache, plan)  # (D, kv_heads, L, head_dim) each
     # One query per sequence: the query heads sharing a KV head become that head's query rows (what transformers'
     # pack_gqa does for decode). Same head mapping as enable_gqa (query head h reads KV head h // group), ~2x faster.
     packed = q.view(d, kv_heads, heads // kv_heads, head_dim)  # (D, kv_heads, group, head_dim)
@@ -274,12 +289,7 @@ def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, mask, scale) -> to
 
 def prefill_attention(q, k, v, k_cache, v_cache, plan: _PrefillPlan, mask, scale) -> torch.Tensor:
     """One prefill chunk (n, heads, head_dim) against its whole context: fresh k/v when it starts at 0, else the cache."""
-    if plan.blocks is None:
-        keys, values = k, v  # the chunk is the whole context: no need to read back what was just written
-    else:
-        context = plan.start + plan.num_new
-        keys = gather_blocks(k_cache, plan.blocks).flatten(0, 1)[:context]  # (context, kv_heads, head_dim)
-        values = gather_blocks(v_cache, plan.blocks).flatten(0, 1)[:context]
+    keys, values = _chunk_context(k, v, k_cache, v_cache, plan)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys.transpose(0, 1)[None],
@@ -300,18 +310,13 @@ def paged_attention_with_sinks(q, k, v, k_cache, v_cache, meta: AttentionMetadat
     decode_masks, prefill_masks = meta.masks(window, q.dtype)
     out = torch.empty_like(q)  # (T, heads, head_dim)
     for plan, mask in zip(meta.decode, decode_masks):
-        keys = gather_blocks(k_cache, plan.blocks).flatten(1, 2).transpose(1, 2)  # (D, kv_heads, L, head_dim)
-        values = gather_blocks(v_cache, plan.blocks).flatten(1, 2).transpose(1, 2)
+        keys, values = _decode_context(k_cache, v_cache, plan)
         out[plan.rows] = _sink_softmax(q[plan.rows][:, :, None], keys, values, mask, scale, sinks)[:, :, 0]
     for plan, mask in zip(meta.prefills, prefill_masks):
         rows = slice(plan.row, plan.row + plan.num_new)
-        if plan.blocks is None:
-            keys, values = k[rows], v[rows]
-            mask = meta.causal_mask(plan.num_new, window, q.dtype)  # the mask SDPA's is_causal would have made
-        else:
-            context = plan.start + plan.num_new
-            keys = gather_blocks(k_cache, plan.blocks).flatten(0, 1)[:context]  # (context, kv_heads, head_dim)
-            values = gather_blocks(v_cache, plan.blocks).flatten(0, 1)[:context]
+        keys, values = _chunk_context(k[rows], v[rows], k_cache, v_cache, plan)
+        if mask is None:  # a chunk starting its sequence, within its window: the mask SDPA's is_causal would make
+            mask = meta.causal_mask(plan.num_new, window, q.dtype)
         attended = _sink_softmax(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                  values.transpose(0, 1)[None], mask, scale, sinks)  # (1, heads, n, head_dim)
         out[rows] = attended[0].transpose(0, 1)
