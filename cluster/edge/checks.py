@@ -37,6 +37,8 @@ class EdgeLimits:
     block_size: int
     max_token_chars: int  # the longest text one token stands for: a longer prompt cannot fit the context
     limits: LimitsSettings
+    windows: tuple[int | None, ...] = (None,)  # per KV layer group (engine/kv/kv_cache.py)
+    max_chunk: int | None = None  # the engines' per-step token budget
 
     @classmethod
     def of(cls, config: RaypdConfig, tokenizer) -> "EdgeLimits":
@@ -49,8 +51,9 @@ class EdgeLimits:
         roles = ("decode",) if config.mode == "colocated" else ("prefill", "decode")
         max_blocks = min(config.engine_config(role=role).pool_blocks(layout) for role in roles)
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        chunk = max(config.engine_config(role=role).max_num_batched_tokens for role in roles)
         return cls(spec.vocab_size, spec.max_position_embeddings, max_blocks, engine.block_size, max(longest, 1),
-                   config.limits)
+                   config.limits, layout.group_windows, chunk)
 
     def check_text_length(self, text: str, param: str) -> None:
         """Refuses, before tokenizing it, a prompt that cannot fit the context whatever its tokens."""
@@ -71,7 +74,8 @@ class EdgeLimits:
             raise EdgeError(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                                  f"the context length {self.context_length}", param="max_tokens",
                             code="context_length_exceeded")
-        if request_blocks(len(ids), params.max_tokens, params.num_candidates, self.block_size) > self.max_blocks:
+        if request_blocks(len(ids), params.max_tokens, params.num_candidates, self.block_size, self.windows,
+                          self.max_chunk) > self.max_blocks:
             raise EdgeError(400, f"the request needs more KV blocks than a worker has ({self.max_blocks})",
                             param="max_tokens")
 

@@ -102,7 +102,7 @@ def profile(config: RaypdConfig, grid: Grid = Grid()) -> Profile:
     model, error = fit(samples)
     shape = EngineShape(engine_config.block_size, engine.block_manager.num_blocks,
                         engine_config.max_num_batched_tokens, engine_config.max_num_seqs,
-                        engine_config.enable_prefix_caching)
+                        engine_config.enable_prefix_caching, engine.block_manager.windows)
     return Profile(config.model_name, shape, model, error, len(samples), engine_config.num_threads)
 
 

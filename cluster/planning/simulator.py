@@ -53,6 +53,10 @@ class EngineShape:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_prefix_caching: bool = True
+    windows: tuple[int | None, ...] = (None,)  # per KV layer group (engine/kv/kv_cache.py)
+
+    def __post_init__(self):
+        object.__setattr__(self, "windows", tuple(self.windows))  # a list when read from JSON
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,10 @@ class _Handle:
     """Stands for a KV handle: the scheduler only reads which remote blocks to import."""
 
     block_ids: tuple[int, ...]
+    groups: int = 1
+
+    def group_tables(self) -> list[tuple[int, tuple[int, ...]]]:
+        return [(0, self.block_ids)] * self.groups  # each layer group from its first block, as KVHandle.group_tables
 
 
 class _SimConnector(NullConnector):
@@ -139,7 +147,7 @@ class _Replica:
         self.on_token = on_token
         self.now = 0.0
         self.busy = False
-        blocks = BlockManager(shape.num_blocks, shape.block_size, shape.enable_prefix_caching)
+        blocks = BlockManager(shape.num_blocks, shape.block_size, shape.enable_prefix_caching, shape.windows)
         self.connector = _SimConnector(self)
         self.scheduler = Scheduler(blocks, self.connector, shape.max_num_batched_tokens, shape.max_num_seqs)
         self.live: set[Sequence] = set()
@@ -266,8 +274,10 @@ class Simulation:
             self._finish(record, now)
             return
         handed = _sequence(seq.request.request_id, record.request, "generation_only")
-        handed.request.kv_source = _Handle(tuple(range(len(record.request.prompt))))  # as many blocks as it needs
-        min(self.decode, key=_Replica.load).add(handed)
+        decode = min(self.decode, key=_Replica.load)
+        # as many blocks as it needs, in every layer group
+        handed.request.kv_source = _Handle(tuple(range(len(record.request.prompt))), len(decode.shape.windows))
+        decode.add(handed)
 
     def _decoded(self, seq: Sequence, now: float) -> None:
         record = self._records[seq.request.request_id]

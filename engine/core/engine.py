@@ -32,7 +32,9 @@ from llmapi.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    num_blocks: int | None = None  # None: as many as kv_cache_bytes holds
+    # None: as many as kv_cache_bytes holds. Counted in blocks of every layer: a model with G layer groups
+    # (engine/kv/kv_cache.py) gets G times as many blocks, each of its groups' layers, in the same memory.
+    num_blocks: int | None = None
     kv_cache_bytes: int = 512 << 20
     max_num_batched_tokens: int = 2048  # per-step token budget; prompts longer than this are prefilled in chunks
     max_num_seqs: int = 64
@@ -53,8 +55,11 @@ class EngineConfig:
     batch_invariant: bool = False
 
     def pool_blocks(self, layout: KVLayout) -> int:
-        """How many KV blocks of this layout the pool holds: num_blocks, or as many as kv_cache_bytes holds."""
-        return self.num_blocks or max(1, self.kv_cache_bytes // layout.block_bytes)
+        """How many KV blocks of this layout the pool holds: num_blocks (of every layer) in blocks of one layer
+        group, or as many as kv_cache_bytes holds."""
+        if self.num_blocks:
+            return self.num_blocks * len(layout.groups)
+        return max(1, self.kv_cache_bytes // layout.block_bytes)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "kv_lease_s",
@@ -113,7 +118,8 @@ class LLMEngine:
         if self.ranks is not None:
             self.ranks.start(num_blocks, time.monotonic() + START_TIMEOUT_S)
         self.kv_cache = KVCache(layout, num_blocks, config.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          layout.group_windows)
         self.connector = connector or NullConnector()
         self.connector.register_kv_cache(self.kv_cache, self.block_manager.generations, self.spec.fingerprint,
                                          self.ranks)
@@ -168,7 +174,7 @@ class LLMEngine:
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already in use")
-        check_request(prompt_token_ids, params, self.spec, self.block_manager, self.config.max_num_seqs)
+        check_request(prompt_token_ids, params, self.spec, self.block_manager, self.config)
         kind = request_type(disaggregated_params)
         req = EngineRequest(request_id, list(prompt_token_ids), params, kind, cache_salt=params.cache_salt,
                             mm_items=tuple(mm_items), mm_embeddings=tuple(mm_embeddings),

@@ -115,9 +115,8 @@ class OutputProcessor:
         if seq.num_computed_tokens < seq.num_prompt_tokens or not self.block_manager.can_fork():
             self.scheduler.add(child)  # no KV to share, or no block for the copy: the child computes its prompt
             return
-        copy = self.block_manager.fork(seq, child)
-        if copy is not None:
-            self.runner.copy_block(*copy)
+        for src, dst in self.block_manager.fork(seq, child):
+            self.runner.copy_block(src, dst)
         child.num_computed_tokens = seq.num_computed_tokens
         self.scheduler.add_running(child)
 
@@ -168,9 +167,9 @@ class OutputProcessor:
             self.scheduler.finish(seq)
             self._pending.append(self._response(req, deltas))
             return
-        blocks = seq.block_table[: self.block_manager.blocks_for(req.num_prompt_tokens)]
+        blocks, starts = self.block_manager.lease_blocks(seq, req.num_prompt_tokens)
         opaque = self.connector.hold(req.request_id, blocks, req.num_prompt_tokens, [s.logprob for s in samples],
-                                     [_triples(s.top_logprobs) for s in samples], req.mm_items)
+                                     [_triples(s.top_logprobs) for s in samples], req.mm_items, starts)
         self.scheduler.hold(seq)
         handoff = Handoff(req.request_id, tuple(s.token_id for s in samples), opaque)
         self._pending.append(self._response(req, deltas, handoff=handoff))

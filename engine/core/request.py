@@ -60,13 +60,13 @@ class Sequence:
     index: int  # candidate index within the request
     token_ids: list[int]
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV layer group (engine/kv/kv_cache.py)
     status: SeqStatus = SeqStatus.WAITING
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
-    num_registered_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
+    num_registered_blocks: int = 0  # leading blocks of the block tables entered in the prefix cache
     grammar: GrammarMatcher | None = None  # at this sequence's place, when the request has a grammar
 
     @property

@@ -140,6 +140,7 @@ class Scheduler:
             if self.block_manager.enable_prefix_caching:
                 update_block_hashes(seq, self.block_manager.block_size)
                 self.block_manager.register(seq, seq.num_computed_tokens)
+            self.block_manager.release_behind_window(seq)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -185,36 +186,36 @@ class Scheduler:
             if not importing and budget <= 0:
                 break
             cached = self._cached_prefix(seq, importing)
-            n = seq.num_tokens - len(cached) * self.block_manager.block_size
+            n = seq.num_tokens - len(cached[0]) * self.block_manager.block_size
             n = n if importing else min(n, budget)
-            if not self.block_manager.can_admit(seq, cached, n):
+            if not self.block_manager.can_admit(seq, cached, n, importing):
                 break
             self.waiting.popleft()
-            self._admit(seq, cached, n)
+            self._admit(seq, cached, n, importing)
             slots += seq.num_slots
             if importing:
-                self._start_import(seq, len(cached))
+                self._start_import(seq, len(cached[0]))
             else:
                 self.add_running(seq)
                 out.scheduled.append((seq, n))
                 budget -= n
 
-    def _cached_prefix(self, seq: Sequence, importing: bool) -> list[int]:
-        """The blocks of seq's longest cached prefix it may use. A computing sequence leaves its last token to
+    def _cached_prefix(self, seq: Sequence, importing: bool) -> list[list[int]]:
+        """The blocks of seq's longest cached prefix it may use, per layer group. A computing sequence leaves its last token to
         compute (its logits are needed); a hit never ends inside an image; prompt logits need every position
         computed, so such requests take no hit."""
         bm = self.block_manager
         if not bm.enable_prefix_caching or seq.request.wants_prompt_logits:
-            return []
+            return bm.lookup([])
         usable = seq.num_tokens if importing else seq.num_tokens - 1
         usable = image_safe_prefix(seq.request, usable) // bm.block_size
-        return bm.lookup(update_block_hashes(seq, bm.block_size)[:usable])
+        return bm.lookup(update_block_hashes(seq, bm.block_size)[:usable], seq.num_tokens if importing else None)
 
-    def _admit(self, seq: Sequence, cached: list[int], n: int) -> None:
+    def _admit(self, seq: Sequence, cached: list[list[int]], n: int, importing: bool) -> None:
         bm = self.block_manager
         bm.admit(seq, cached)
-        seq.num_computed_tokens = len(cached) * bm.block_size
-        bm.allocate(seq, n)
+        seq.num_computed_tokens = len(cached[0]) * bm.block_size
+        bm.allocate(seq, n, importing)
         req = seq.request
         if bm.enable_prefix_caching and not req.wants_prompt_logits:
             self.cache_stats.query_tokens += seq.num_tokens
@@ -226,7 +227,32 @@ class Scheduler:
 
     def _start_import(self, seq: Sequence, num_cached_blocks: int) -> None:
         handle = seq.request.kv_source
+        pairs = _import_pairs(seq.block_tables, handle.group_tables(), num_cached_blocks)
+        if pairs is None:  # the handle lacks a block this engine needs: the prompt is computed here instead
+            log.warning("request %d re-prefills locally: its KV handle lacks blocks of the window",
+                        seq.request.request_id)
+            self.num_reprefills += 1
+            self.connector.release_unread(handle)
+            self.block_manager.free(seq)
+            seq.num_computed_tokens, seq.request.kv_source = 0, None
+            self.add(seq, front=True)
+            return
         seq.status = SeqStatus.WAITING_FOR_KV
         self.waiting_for_kv.append(seq)
-        local = tuple(seq.block_table[num_cached_blocks:])
-        self.connector.start_import(ImportPlan(seq, handle, local, tuple(handle.block_ids[num_cached_blocks:])))
+        self.connector.start_import(ImportPlan(seq, handle, *pairs))
+
+
+def _import_pairs(tables: list[list[int]], remote: list[tuple[int, tuple[int, ...]]], num_cached_blocks: int
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(local blocks, remote blocks) to read, pairwise: every group's blocks from num_cached_blocks on that this
+    side holds (a window group's entries behind the window are not read). None if the remote side lacks one."""
+    local, theirs = [], []
+    for table, (start, blocks) in zip(tables, remote, strict=True):
+        for i in range(num_cached_blocks, len(table)):
+            if table[i] < 0:
+                continue
+            if not start <= i < start + len(blocks):
+                return None
+            local.append(table[i])
+            theirs.append(blocks[i - start])
+    return tuple(local), tuple(theirs)

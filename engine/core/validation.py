@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from engine.kv.block_manager import BlockManager, request_blocks
+from typing import TYPE_CHECKING
+
+from engine.kv.block_manager import BlockManager
 from engine.config import ModelSpec
 from engine.core.request import EngineRequest
 from llmapi.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.engine import EngineConfig
 
 
 def check_images(req: EngineRequest, hidden_size: int) -> None:
@@ -25,7 +30,7 @@ def check_images(req: EngineRequest, hidden_size: int) -> None:
 
 
 def check_request(prompt: list[int], params: SamplingParams, spec: ModelSpec, block_manager: BlockManager,
-                  max_num_seqs: int) -> None:
+                  config: "EngineConfig") -> None:
     """Raises ValueError naming what is wrong with a request before the engine queues it."""
     if not prompt:
         raise ValueError("prompt is empty: at least one token is needed")
@@ -39,10 +44,12 @@ def check_request(prompt: list[int], params: SamplingParams, spec: ModelSpec, bl
         )
     if any(t >= spec.vocab_size for t in params.logit_bias or {}):
         raise ValueError(f"SamplingParams.logit_bias: token ids out of range [0, {spec.vocab_size})")
-    need = request_blocks(len(prompt), params.max_tokens, params.num_candidates, block_manager.block_size)
+    need = block_manager.request_blocks(len(prompt), params.max_tokens, params.num_candidates,
+                                        config.max_num_batched_tokens)
     if need > block_manager.num_blocks:
         raise ValueError(f"request needs {need} KV blocks ({params.num_candidates} candidate(s)), the pool has "
                          f"{block_manager.num_blocks}")
+    max_num_seqs = config.max_num_seqs
     if params.num_candidates > max_num_seqs:
         raise ValueError(f"the request has {params.num_candidates} candidates (n / best_of), the engine runs at "
                          f"most {max_num_seqs} sequences at once (max_num_seqs)")

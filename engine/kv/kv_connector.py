@@ -88,10 +88,11 @@ class KVConnector(ABC):
 
     @abstractmethod
     def hold(self, request_id: int, block_ids: list[int], num_tokens: int, first_logprobs: tuple,
-             first_top_logprobs: tuple, mm_items: tuple = ()) -> bytes:
+             first_top_logprobs: tuple, mm_items: tuple = (), group_starts: list[int] | None = None) -> bytes:
         """Starts a lease on a finished context-only request's prompt blocks (the scheduler keeps them allocated)
         and returns the signed handle naming them (opaque_state), which carries the prompt's images (mm_items:
-        engine.core.request.MultimodalItem). Mutates the lease table."""
+        engine.core.request.MultimodalItem). block_ids: each layer group's after the other, group g's from logical
+        block group_starts[g] (None: one group, from 0). Mutates the lease table."""
 
     @abstractmethod
     def end_lease(self, request_id: int) -> bool:
@@ -139,7 +140,8 @@ class NullConnector(KVConnector):
     def open_handle(self, opaque_state: bytes) -> KVHandle:
         raise ValueError(_NO_KV_TRANSFER)
 
-    def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs, mm_items=()) -> bytes:
+    def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs, mm_items=(),
+             group_starts=None) -> bytes:
         raise ValueError(_NO_KV_TRANSFER)
 
     def end_lease(self, request_id: int) -> bool:

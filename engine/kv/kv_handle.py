@@ -49,6 +49,25 @@ class KVHandle:
     # text-identical prompts with other images never share blocks there either. Never their embeddings.
     mm_items: tuple[tuple[tuple[int, ...], int, int], ...] = ()
     rank_transport_infos: tuple[bytes, ...] = ()  # ranks 1..N-1's transports, under tensor parallelism
+    # Per layer group: the logical block its part of block_ids starts at (a window group's blocks behind the window
+    # were released); block_ids lists the groups' blocks one group after another. () for one group from block 0.
+    group_starts: tuple[int, ...] = ()
+
+    def group_tables(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Per layer group: (first logical block, its blocks up to the prompt's last). Raises InvalidHandle when the
+        lists do not add up to the layout's groups."""
+        groups = len(self.layout.groups)
+        starts = self.group_starts or (0,) * groups
+        end = -(-self.num_tokens // self.layout.block_size)
+        if len(starts) != groups or any(not 0 <= s <= end for s in starts) or \
+                sum(end - s for s in starts) != len(self.block_ids):
+            raise InvalidHandle(f"opaque_state lists {len(self.block_ids)} blocks from {list(starts)} for "
+                                f"{groups} layer group(s) of {end} blocks")
+        tables, first = [], 0
+        for start in starts:
+            tables.append((start, self.block_ids[first:first + end - start]))
+            first += end - start
+        return tables
 
     @property
     def transports(self) -> tuple[bytes, ...]:
@@ -72,7 +91,10 @@ class KVHandle:
         body["first_top_logprobs"] = tuple(tuple(tuple(t) for t in top) for top in body["first_top_logprobs"])
         body["mm_items"] = tuple((tuple(h), offset, length) for h, offset, length in body.get("mm_items", ()))
         body["rank_transport_infos"] = tuple(base64.b64decode(i) for i in body.get("rank_transport_infos", ()))
-        return cls(**body)
+        body["group_starts"] = tuple(body.get("group_starts", ()))
+        handle = cls(**body)
+        handle.group_tables()  # refuses lists that do not fit the layout's groups
+        return handle
 
 
 def sign_json(body: dict, key: bytes | None, context: bytes) -> bytes:
@@ -143,5 +165,6 @@ def compatibility_problems(mine: KVLayout, my_fingerprint: str, theirs: KVLayout
 def _describe(layout: KVLayout) -> str:
     per_token = f"{layout.model_kv_heads} KV heads x {layout.head_dim}" if layout.planes == 2 else \
         f"a latent of {layout.head_dim}"
-    return (f"{layout.num_layers} layers x {per_token}, blocks of "
+    windows = f" (sliding windows per layer: {list(layout.layer_windows)})" if layout.layer_windows else ""
+    return (f"{layout.num_layers} layers x {per_token}{windows}, blocks of "
             f"{layout.block_size} tokens, {layout.dtype}, over {layout.tp_size} rank(s)")

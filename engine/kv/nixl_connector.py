@@ -164,7 +164,8 @@ class NixlConnector(KVConnector):
                              handle.rank_transport_infos))
 
     # ---- prefill side ----
-    def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs, mm_items=()) -> bytes:
+    def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs, mm_items=(),
+             group_starts=None) -> bytes:
         lease_id, deadline = self.leases.hold(request_id)
         handle = KVHandle(
             ctx_request_id=request_id, agent=self.transport.name, transport_info=self.transport.metadata(),
@@ -172,7 +173,7 @@ class NixlConnector(KVConnector):
             layout=self._layout, fingerprint=self._fingerprint, lease_deadline=deadline, lease_id=lease_id,
             first_logprobs=tuple(first_logprobs), first_top_logprobs=tuple(first_top_logprobs),
             mm_items=tuple((tuple(i.content_hash), i.offset, i.length) for i in mm_items),
-            rank_transport_infos=self._rank_infos,
+            rank_transport_infos=self._rank_infos, group_starts=tuple(group_starts or ()),
         )
         return handle.sign(self._key)
 

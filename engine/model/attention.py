@@ -21,7 +21,7 @@ import torch.nn.functional as F
 class SeqSlice:
     """One sequence's part of a step."""
 
-    block_table: Sequence[int]  # physical block ids covering positions [0, start + num_new)
+    block_tables: tuple[Sequence[int], ...]  # per KV layer group: block ids covering [0, start + num_new); < 0: released
     start: int  # tokens of this sequence already in the KV cache before this step
     num_new: int  # tokens of this sequence in this step's flat batch
 
@@ -60,7 +60,8 @@ class AttentionMetadata:
 
     What only one path reads (the reference path's decode buckets, the kernels' decode batch) is built on first use.
     Masks that depend on the sliding window are built on first use per distinct window and kept here, so a model whose
-    layers alternate windows builds each mask once per step.
+    layers alternate windows builds each mask once per step. A model with several KV layer groups gets one metadata
+    per group (`group(g)`): the same positions over that group's block tables.
     """
 
     def __init__(self, num_tokens, write_blocks, write_offsets, tables, starts, starts_list, first_row, decode_index,
@@ -79,13 +80,26 @@ class AttentionMetadata:
         self._positions = positions  # (T,) each token's position in its sequence
         self._seq_of_token = seq_of_token  # (T,) its slice
         self._masks: dict[tuple, tuple] = {}
+        self._groups = [self]
+
+    def group(self, g: int) -> AttentionMetadata:
+        """The metadata of KV layer group g (engine/kv/kv_cache.py)."""
+        return self._groups[g]
 
     @classmethod
     def build(cls, slices: list[SeqSlice], block_size: int, device) -> AttentionMetadata:
-        """Slices with num_new == 1 go to the batched decode call, whatever their start; the rest are prefill chunks."""
+        """Slices with num_new == 1 go to the batched decode call, whatever their start; the rest are prefill chunks.
+        Returns group 0's metadata; the others' through group()."""
         if not slices:
             raise ValueError("AttentionMetadata.build needs at least one SeqSlice")
-        tables = _padded_tables(slices, block_size, device)  # (S, max_blocks)
+        metas = [cls._build_group(slices, g, block_size, device) for g in range(len(slices[0].block_tables))]
+        for meta in metas:
+            meta._groups = metas
+        return metas[0]
+
+    @classmethod
+    def _build_group(cls, slices: list[SeqSlice], group: int, block_size: int, device) -> AttentionMetadata:
+        tables = _padded_tables(slices, group, block_size, device)  # (S, max_blocks)
         starts_list = [s.start for s in slices]
         counts_list = [s.num_new for s in slices]
         first_rows, rows = [], 0
@@ -159,16 +173,19 @@ def _blocks_needed(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def _padded_tables(slices: list[SeqSlice], block_size: int, device) -> torch.Tensor:
+def _padded_tables(slices: list[SeqSlice], group: int, block_size: int, device) -> torch.Tensor:
     rows = []
     for s in slices:
         needed = _blocks_needed(s.start + s.num_new, block_size)
-        if len(s.block_table) < needed:
-            raise ValueError(f"block table of {len(s.block_table)} blocks cannot hold {s.start + s.num_new} tokens")
-        rows.append(list(s.block_table[:needed]))
+        table = s.block_tables[group]
+        if len(table) < needed:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {s.start + s.num_new} tokens")
+        rows.append(list(table[:needed]))
     width = max(len(r) for r in rows)
-    # Padding points at block 0, a valid index whose keys the masks never let through.
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)  # (S, width)
+    # Padding, and a window group's released entries, point at block 0: a valid index whose keys the masks never let
+    # through (and the kernels never read: they start at the window).
+    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)  # (S, width)
+    return tables.clamp_(min=0)
 
 
 # A decode bucket holds sequences needing at least this fraction of its longest one's blocks: padding every sequence

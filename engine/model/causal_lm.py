@@ -211,7 +211,7 @@ class CausalLM(nn.Module):
             if self.spec.gemma else rope
         for i, layer in enumerate(self.layers):
             cos, sin = local if self.spec.sliding_windows[i] else rope
-            x = layer(x, cos, sin, meta, *kv_cache.layer(i))
+            x = layer(x, cos, sin, meta.group(kv_cache.layout.place(i)[0]), *kv_cache.layer(i))
         return self.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slices.append(SeqSlice(block_table=seq.block_table, start=start, num_new=n))
+            slices.append(SeqSlice(block_tables=tuple(map(tuple, seq.block_tables)), start=start, num_new=n))
         plan = StepPlan(ids, positions, slices, image_rows(scheduled), tuple(self._copies), tuple(logit_rows))
         if self.ranks is None:
             return self.execute(plan)
@@ -88,7 +88,7 @@ class ModelRunner:
         self.execute(plan)
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copies every layer of block src into dst (a fork's copy-on-write), here and, with the next plan, on the
+        """Copies block src into dst (a fork's copy-on-write), here and, with the next plan, on the
         other ranks."""
         self.kv_cache.copy_block(src, dst)
         if self.ranks is not None:

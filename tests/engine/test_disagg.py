@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -242,7 +243,7 @@ def test_more_imports_than_seats_wait_in_their_queue(tiny_llama):
                 got[rsp.request_id] += [t for d in rsp.deltas for t in d.token_ids]
             sched = gen.scheduler
             assert len(sched.running) + len(sched.waiting_for_kv) <= 2
-            assert all(not s.block_table for s in sched.waiting)
+            assert all(not s.block_tables for s in sched.waiting)
         assert got == expected
         _drive_until_free(ctx)
         assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
@@ -254,20 +255,36 @@ def test_more_imports_than_seats_wait_in_their_queue(tiny_llama):
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gemma3",
                                   "gpt_oss"])
 def test_other_families_hand_off_the_same_tokens_with_decode_side_prefix_hits(model_factory, arch):
-    """A mixture-of-experts model's KV is a dense model's (DeepSeek's a block of latents; Gemma 3's every layer's,
-    sliding-window ones included): the hand-off carries it unchanged, greedy and seeded, and a decode replica that
-    already holds the prompt reads only its last, partial block."""
+    """A mixture-of-experts model's KV is a dense model's (DeepSeek's a block of latents): the hand-off carries it
+    unchanged, greedy and seeded, and a decode replica that already holds the prompt reads only its last, partial
+    block. Gemma 3's and gpt-oss's sliding-window layers move only the blocks of the window the first decode step
+    sees: the bytes read are what config.json's layer types and window say decode needs, layer by layer."""
     model = model_factory(arch, **({"sliding_window": 8} if arch in ("gemma3", "gpt_oss") else {}))
     cases = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
              SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, n=2, seed=3, ignore_eos=True)]
     with LLM(model, block_size=4, kv_transfer="nixl") as ctx, LLM(model, block_size=4, kv_transfer="nixl") as gen:
-        block_bytes = gen.engine.kv_cache.layout.block_bytes
+        layout = gen.engine.kv_cache.layout
         for k, params in enumerate(cases):
             prompt = [7 + (i * 37 + k * 101) % 3000 for i in range(30)]  # 7 full blocks + 2 tokens, new per case
             ref = ctx.generate(prompt, params)
-            for read_blocks in (8, 1):  # the second time, the decode side holds the first 7 blocks
+            for cached in (0, 7):  # the second time, the decode side holds the first 7 blocks
                 before = gen.engine.connector.stats().kv_bytes_read
                 _, g = disaggregated(ctx, gen, prompt, params)
                 assert [o.token_ids for o in g.outputs] == [o.token_ids for o in ref.outputs]
-                assert gen.engine.connector.stats().kv_bytes_read - before == read_blocks * block_bytes
+                expected = _blocks_decode_needs(model, len(prompt), 4, cached) * layout.block_bytes // \
+                    layout.block_layers
+                assert gen.engine.connector.stats().kv_bytes_read - before == expected
         wait_pools_full(ctx, gen)
+
+
+def _blocks_decode_needs(model_dir: str, prompt_len: int, block_size: int, cached: int) -> int:
+    """One-layer blocks a decode engine holding the prompt's first `cached` blocks reads, from config.json alone:
+    every block of a full-attention layer, and of a sliding-window layer those the first decode step's window
+    (positions > prompt_len - window) touches."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    types = config.get("layer_types") if config.get("sliding_window") else None
+    types = types or ["full_attention"] * config["num_hidden_layers"]
+    end = -(-prompt_len // block_size)
+    first = {"full_attention": 0,
+             "sliding_attention": max(0, prompt_len - (config.get("sliding_window") or 0) + 1) // block_size}
+    return sum(end - max(cached, first[t]) for t in types)

@@ -83,17 +83,19 @@ def test_preemption_by_recompute_keeps_tokens(tiny_llama):
         assert_same_tokens(got[i][0][0], tokens, gaps, f"prompt {i}")
 
 
-@pytest.mark.parametrize("arch, overrides", [("deepseek_v3", {}), ("qwen3_moe", {}),
-                                             ("gemma3", dict(sliding_window=8)), ("gpt_oss", dict(sliding_window=8))])
-def test_new_families_under_chunking_and_preemption_match_transformers(model_factory, arch, overrides):
+@pytest.mark.parametrize("arch, overrides, num_blocks", [
+    ("deepseek_v3", {}, 24), ("qwen3_moe", {}, 24),
+    # a window layer holds ~7 blocks of a sequence, not ~14: the same memory would preempt nothing
+    ("gemma3", dict(sliding_window=8), 12), ("gpt_oss", dict(sliding_window=8), 12)])
+def test_new_families_under_chunking_and_preemption_match_transformers(model_factory, arch, overrides, num_blocks):
     """DeepSeek-V3 (latents written by prefill chunks, read back expanded by later chunks and absorbed by decode;
     recomputed after preemption), Qwen3-MoE, and Gemma 3 and gpt-oss with prompts longer than their windows: greedy
     tokens and their logprobs as transformers'."""
     model_dir = model_factory(arch, **overrides)
     ref = Reference(model_dir)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
-    engine = LLMEngine(model_dir, EngineConfig(block_size=4, num_blocks=24, max_num_batched_tokens=16))
-    batch = prompts(4, 18, 26, seed=7)  # ~40 tokens each: 4 need ~40 blocks of the 24
+    engine = LLMEngine(model_dir, EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16))
+    batch = prompts(4, 18, 26, seed=7)  # ~40 tokens each: 4 need ~40 blocks of every layer
     got = run(engine, {0: [(i, p, params) for i, p in enumerate(batch)]})
     assert engine.scheduler.num_preemptions > 0
     for i, p in enumerate(batch):
@@ -104,6 +106,29 @@ def test_new_families_under_chunking_and_preemption_match_transformers(model_fac
             if tok != tokens[pos]:
                 break
             assert abs(entry[tok].logprob - float(ref_lps[pos][tok])) < 1e-4, f"{arch} prompt {i} pos {pos}"
+
+
+def test_sliding_window_layers_hold_only_their_window(model_factory):
+    """Gemma 3 (window 8; 3 window layers, 1 full): while a long prompt is prefilled in chunks and decoded, a window
+    layer holds at most the blocks of its window and one chunk, the full layer every block; at the end the pool is
+    whole again."""
+    model_dir = model_factory("gemma3", sliding_window=8)
+    engine = LLMEngine(model_dir, EngineConfig(block_size=4, max_num_batched_tokens=16))
+    bm = engine.block_manager
+    engine.add_request(0, list(range(10, 70)), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    peak = after_prefill = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        seq = engine.requests[0].seqs[0] if 0 in engine.requests else None
+        if seq is not None:
+            held = [sum(b >= 0 for b in table) for table in seq.block_tables]
+            peak = max(peak, max(held[1:]))
+            after_prefill = after_prefill or (seq.num_computed_tokens >= 60 and held)
+            assert held[0] == -(-seq.num_computed_tokens // 4)  # the full layer: every block computed
+    assert bm.windows == (None, 8, 8, 8)
+    assert peak <= -(-(16 + 8 - 1) // 4) + 1  # a window and a chunk
+    assert after_prefill[1:] == [2, 2, 2]  # from position 60 on, keys 53..: blocks 13 and 14
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_logprobs_equal_transformers_log_softmax(tiny_llama):

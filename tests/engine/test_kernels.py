@@ -97,7 +97,7 @@ def test_paged_attention_against_reference(kernels, dtype, heads, kv_heads, head
     cache = KVCache(layout, sum(needs) + 4)
     cache.arena.copy_(torch.randn(cache.arena.shape, generator=gen))  # earlier tokens' keys and values
     tables = _scattered(needs, cache.num_blocks, seed=4)
-    meta = AttentionMetadata.build([SeqSlice(t, s, n) for t, (s, n) in zip(tables, STEP)], block_size, "cpu")
+    meta = AttentionMetadata.build([SeqSlice((t,), s, n) for t, (s, n) in zip(tables, STEP)], block_size, "cpu")
     t = meta.num_tokens
     q = torch.randn(t, heads, head_dim, generator=gen).to(dtype)
     kv = torch.randn(t, 2, kv_heads, head_dim, generator=gen).to(dtype)
@@ -139,7 +139,7 @@ def test_bf16_prefill_attention_against_reference(kernels, heads, kv_heads, head
     layout = KVLayout(1, kv_heads, head_dim, block_size, "bfloat16")
     cache = KVCache(layout, sum(needs) + 2)
     cache.arena.copy_(torch.randn(cache.arena.shape, generator=gen))
-    meta = AttentionMetadata.build([SeqSlice(t, s, n) for t, (s, n) in
+    meta = AttentionMetadata.build([SeqSlice((t,), s, n) for t, (s, n) in
                                     zip(_scattered(needs, cache.num_blocks, seed=6), PREFILL_STEP)], block_size, "cpu")
     q = torch.randn(meta.num_tokens, heads, head_dim, generator=gen).bfloat16()
     kv = torch.randn(meta.num_tokens, 2, kv_heads, head_dim, generator=gen).bfloat16()
@@ -158,7 +158,7 @@ def test_bf16_prefill_attention_against_reference(kernels, heads, kv_heads, head
 
 def test_decode_attention_refuses_a_context_longer_than_its_table(kernels):
     cache = KVCache(KVLayout(1, 2, 64, 16, "float32"), 4)
-    meta = AttentionMetadata.build([SeqSlice([0, 1], 20, 1)], 16, "cpu")
+    meta = AttentionMetadata.build([SeqSlice(([0, 1],), 20, 1)], 16, "cpu")
     batch = meta.decode_batch
     q = torch.zeros(1, 2, 64)
     with pytest.raises(RuntimeError, match="keys for a table of"):
@@ -231,7 +231,7 @@ def _steps(model, prompts, forced=None, steps=4, block_size=4):
     tokens, chosen, out = [list(p) for p in prompts], [], []
     for step in range(steps):
         starts = [0] * len(tokens) if step == 0 else [len(t) - 1 for t in tokens]
-        meta = AttentionMetadata.build([SeqSlice(tb, s, len(t) - s) for tb, s, t in zip(tables, starts, tokens)],
+        meta = AttentionMetadata.build([SeqSlice((tb,), s, len(t) - s) for tb, s, t in zip(tables, starts, tokens)],
                                        block_size, "cpu")
         ids = torch.tensor(sum((t[s:] for s, t in zip(starts, tokens)), []))
         pos = torch.cat([torch.arange(s, len(t)) for s, t in zip(starts, tokens)])

@@ -113,7 +113,7 @@ def _greedy(stack: Stack, prompts: list[MultimodalPrompt], new_tokens: int, chun
                 values.append(span[1])
             first_row += n
         positions = torch.cat([torch.arange(computed[i], computed[i] + n) for i, n in zip(active, takes)])
-        slices = [SeqSlice(tables[i], computed[i], n) for i, n in zip(active, takes)]
+        slices = [SeqSlice((tables[i],), computed[i], n) for i, n in zip(active, takes)]
         row_embeds = (torch.cat(rows), torch.cat(values)) if rows else None
         hidden = _forward(stack.model, ids, positions, slices, cache, block_size, row_embeds)
         with torch.inference_mode():
@@ -144,7 +144,7 @@ def test_prefill_logits_match_transformers(stack, model, prompt):
     p = s.prompt(prompt)
     n = len(p.token_ids)
     cache = KVCache(s.model.kv_layout(4), -(-n // 4) + 2)
-    slices = [SeqSlice(_tables([-(-n // 4)], -(-n // 4) + 2, seed=0)[0], 0, n)]
+    slices = [SeqSlice((_tables([-(-n // 4)], -(-n // 4) + 2, seed=0)[0],), 0, n)]
     row_embeds = embeddings_in_span(p.ranges, s.embeddings(p), 0, n)
     hidden = _forward(s.unpacked, list(p.token_ids), torch.arange(n), slices, cache, 4, row_embeds)
     with torch.inference_mode():

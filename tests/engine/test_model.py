@@ -105,18 +105,24 @@ def _prompts(vocab_size, lens=PROMPT_LENS, seed=0):
     return [torch.randint(3, vocab_size, (n,), generator=gen) for n in lens]
 
 
-def _scattered_tables(need, num_blocks, seed=0):
-    """Block tables drawn from a shuffled pool, so no sequence's blocks are contiguous or ordered."""
-    pool = list(range(num_blocks))
+def _scattered_tables(need, num_blocks, seed=0, groups=1):
+    """Block tables drawn from a shuffled pool, so no sequence's blocks are contiguous or ordered: per sequence, one
+    per KV layer group."""
+    pool = list(range(num_blocks * groups))
     random.Random(seed).shuffle(pool)
-    return [[pool.pop() for _ in range(n)] for n in need]
+    return [tuple([pool.pop() for _ in range(n)] for _ in range(groups)) for n in need]
+
+
+def _cache_and_tables(model, need, spare, block_size, seed):
+    layout = model.kv_layout(block_size)
+    groups = len(layout.groups)
+    return KVCache(layout, (sum(need) + spare) * groups), _scattered_tables(need, sum(need) + spare, seed, groups)
 
 
 def _prefill_logits(model, prompts, block_size=4):
     """One step, one prefill slice per prompt: logits of every position of every prompt."""
     need = [-(-len(p) // block_size) for p in prompts]
-    cache = KVCache(model.kv_layout(block_size), sum(need) + 3)
-    tables = _scattered_tables(need, sum(need) + 3)
+    cache, tables = _cache_and_tables(model, need, 3, block_size, seed=0)
     meta = AttentionMetadata.build([SeqSlice(t, 0, len(p)) for t, p in zip(tables, prompts)], block_size, "cpu")
     positions = torch.cat([torch.arange(len(p)) for p in prompts])
     with torch.inference_mode():
@@ -127,8 +133,7 @@ def _prefill_logits(model, prompts, block_size=4):
 def _greedy(model, prompts, new_tokens, chunk=5, block_size=4):
     """Chunked prefill then batched decode over one scattered paged cache; steps mix prefill chunks and decodes."""
     need = [-(-(len(p) + new_tokens) // block_size) for p in prompts]
-    cache = KVCache(model.kv_layout(block_size), sum(need) + 5)
-    tables = _scattered_tables(need, sum(need) + 5, seed=1)
+    cache, tables = _cache_and_tables(model, need, 5, block_size, seed=1)
     tokens = [p.tolist() for p in prompts]
     computed = [0] * len(prompts)
     outs = [[] for _ in prompts]

@@ -79,7 +79,7 @@ def test_preempts_the_newest_when_blocks_run_out():
     new.token_ids.append(1)
     out = sched.schedule()  # old needs a third block; only new can give it up
     assert out.preempted == [new] and [s for s, _ in out.scheduled] == [old]
-    assert new.status is SeqStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
+    assert new.status is SeqStatus.WAITING and new.num_computed_tokens == 0 and new.block_tables == []
     assert sched.num_preemptions == 1
     sched.block_manager.check()
 
@@ -156,7 +156,7 @@ def test_an_import_that_fails_prefills_here():
     sched.add(a)
     sched.schedule()
     sched.update_from_connector(ConnectorEvents(imports_done=((a, "the lease ended"),)))
-    assert list(sched.waiting) == [a] and a.block_table == [] and a.request.kv_source is None
+    assert list(sched.waiting) == [a] and a.block_tables == [] and a.request.kv_source is None
     a.token_ids.append(5)  # its first token, from the prefill side
     assert sched.schedule().scheduled == [(a, 9)]
 
@@ -170,7 +170,7 @@ def test_an_import_of_images_that_fails_ends_the_request_instead():
     sched.schedule()
     started, failed = sched.update_from_connector(ConnectorEvents(imports_done=((a, "the lease ended"),)))
     assert started == [] and [s for s, _ in failed] == [a] and "the lease ended" in failed[0][1]
-    assert a.finished and a.block_table == [] and not sched.waiting and not sched.waiting_for_kv
+    assert a.finished and a.block_tables == [] and not sched.waiting and not sched.waiting_for_kv
     sched.block_manager.check()
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
@@ -188,7 +188,7 @@ def test_an_import_is_preempted_before_a_running_sequence():
     runner.token_ids.append(1)
     out = sched.schedule()  # the runner needs a block: the import gives its back, its read is cancelled
     assert out.preempted == [reader] and connector.cancelled == [reader] and list(sched.waiting) == [reader]
-    assert reader.block_table == [] and reader.request.kv_source is not None
+    assert reader.block_tables == [] and reader.request.kv_source is not None
     sched.block_manager.check()
 
 
