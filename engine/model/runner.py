@@ -53,7 +53,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slices.append(SeqSlice(block_tables=tuple(map(tuple, seq.block_tables)), start=start, num_new=n))
+            slices.append(SeqSlice(block_tables=tuple(seq.block_tables), start=start, num_new=n))
         plan = StepPlan(ids, positions, slices, image_rows(scheduled), tuple(self._copies), tuple(logit_rows))
         if self.ranks is None:
             return self.execute(plan)
