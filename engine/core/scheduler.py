@@ -201,9 +201,9 @@ class Scheduler:
                 budget -= n
 
     def _cached_prefix(self, seq: Sequence, importing: bool) -> list[list[int]]:
-        """The blocks of seq's longest cached prefix it may use, per layer group. A computing sequence leaves its last token to
-        compute (its logits are needed); a hit never ends inside an image; prompt logits need every position
-        computed, so such requests take no hit."""
+        """The blocks of seq's longest cached prefix it may use, per layer group. A computing sequence leaves its
+        last token to compute (its logits are needed); a hit never ends inside an image; prompt logits need every
+        position computed, so such requests take no hit."""
         bm = self.block_manager
         if not bm.enable_prefix_caching or seq.request.wants_prompt_logits:
             return bm.lookup([])

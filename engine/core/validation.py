@@ -49,7 +49,6 @@ def check_request(prompt: list[int], params: SamplingParams, spec: ModelSpec, bl
     if need > block_manager.num_blocks:
         raise ValueError(f"request needs {need} KV blocks ({params.num_candidates} candidate(s)), the pool has "
                          f"{block_manager.num_blocks}")
-    max_num_seqs = config.max_num_seqs
-    if params.num_candidates > max_num_seqs:
+    if params.num_candidates > config.max_num_seqs:
         raise ValueError(f"the request has {params.num_candidates} candidates (n / best_of), the engine runs at "
-                         f"most {max_num_seqs} sequences at once (max_num_seqs)")
+                         f"most {config.max_num_seqs} sequences at once (max_num_seqs)")

@@ -24,8 +24,6 @@ import torch
 from engine.core.request import Sequence
 
 _KEY_BYTES = 16  # a prefix-cache key (engine/kv/block_hash.py); other layer groups' keys append their group's index
-
-
 PLACEHOLDER = -1  # a window group's table entry whose block was released: no query reads it
 
 
@@ -122,10 +120,7 @@ class BlockManager:
     def can_admit(self, seq: Sequence, cached: list[list[int]], num_new_tokens: int, importing: bool = False) -> bool:
         """Whether seq (holding no blocks yet) can take the cached blocks and fresh ones for num_new_tokens more
         (importing: their KV is read, not computed, so a window group takes only the window's)."""
-        hit = len(cached[0])
-        end = hit * self.block_size + num_new_tokens
-        fresh = sum(self.blocks_for(end) - max(hit, self.floor(g, end) if importing else 0)
-                    for g in range(self.num_groups))
+        fresh = self._fresh(cached, len(cached[0]) * self.block_size + num_new_tokens, importing)
         revived = sum(1 for table in cached for b in table if b >= 0 and self._ref_counts[b] == 0)  # evictable
         return fresh + revived <= self.num_free_blocks
 
@@ -163,9 +158,12 @@ class BlockManager:
         return seq.block_tables
 
     def _missing(self, seq: Sequence, num_new_tokens: int, importing: bool = False) -> int:
-        end = seq.num_computed_tokens + num_new_tokens
+        return self._fresh(self._tables(seq), seq.num_computed_tokens + num_new_tokens, importing)
+
+    def _fresh(self, tables: list[list[int]], end: int, importing: bool) -> int:
+        """Blocks the tables lack to cover positions [0, end) (importing: a window group's from its window on)."""
         return sum(max(0, self.blocks_for(end) - max(len(t), self.floor(g, end) if importing else 0))
-                   for g, t in enumerate(self._tables(seq)))
+                   for g, t in enumerate(tables))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether the blocks to hold num_new_tokens more computed tokens of seq are free."""

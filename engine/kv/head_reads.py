@@ -45,8 +45,8 @@ def head_reads(local: KVLayout, rank: int, remote: KVLayout) -> list[HeadRead]:
 
 
 def head_spans(read: HeadRead, local: KVLayout, rank: int, remote: KVLayout) -> tuple[np.ndarray, np.ndarray]:
-    """(remote spans, local spans), each (block_layers * planes * block_size, 2) of (offset in a block, length): the read's
-    heads in every row of a block, a row being one (layer, key/value, position) of (heads, head_dim)."""
+    """(remote spans, local spans), each (block_layers * planes * block_size, 2) of (offset in a block, length): the
+    read's heads in every row of a block, a row being one (layer, key/value, position) of (heads, head_dim)."""
     head_bytes = local.head_dim * torch.empty((), dtype=local.torch_dtype).element_size()
     rows = np.arange(local.block_layers * local.planes * local.block_size, dtype=np.uint64)
     first, last = read.heads

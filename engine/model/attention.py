@@ -21,7 +21,7 @@ import torch.nn.functional as F
 class SeqSlice:
     """One sequence's part of a step."""
 
-    block_tables: tuple[Sequence[int], ...]  # per KV layer group: block ids covering [0, start + num_new); < 0: released
+    block_tables: tuple[Sequence[int], ...]  # per KV layer group: blocks covering [0, start + num_new); < 0: released
     start: int  # tokens of this sequence already in the KV cache before this step
     num_new: int  # tokens of this sequence in this step's flat batch
 

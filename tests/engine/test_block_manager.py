@@ -59,7 +59,8 @@ def test_fork_shares_full_blocks_and_copies_a_partial_one():
     parent.num_computed_tokens = 10
     [copy] = bm.fork(parent, child)
     assert child.block_tables[0][:2] == parent.block_tables[0][:2]
-    assert copy == (parent.block_tables[0][2], child.block_tables[0][2]) and child.block_tables[0][2] != parent.block_tables[0][2]
+    src, dst = parent.block_tables[0][2], child.block_tables[0][2]
+    assert copy == (src, dst) and dst != src
     bm.free(parent)
     assert bm.num_free_blocks == 8 - 3  # the shared blocks live on in the child
     bm.free(child)
