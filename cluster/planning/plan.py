@@ -153,12 +153,17 @@ def _timed_step(engine) -> tuple[tuple[float, ...], float]:
 
 def fit(samples: list[tuple[tuple[float, ...], float]]) -> tuple[StepModel, float]:
     """Least squares on relative error (short decode steps count as much as long prefills), non-negative: a
-    coefficient that would go negative is dropped and the rest refitted. Returns the model and its median relative
-    error on the samples."""
+    coefficient that would go negative is dropped and the rest refitted. Steps with the same features (the grid's
+    repeats) count once, at their fastest time: another process sharing the cores only ever adds time. Returns the
+    model and its median relative error on those steps."""
     import numpy as np
 
-    x = np.array([f for f, _ in samples if f[1] > 0])  # (num_steps, len(FEATURES))
-    y = np.array([t for f, t in samples if f[1] > 0])  # (num_steps,)
+    fastest: dict[tuple[float, ...], float] = {}
+    for f, t in samples:
+        if f[1] > 0:
+            fastest[f] = min(t, fastest.get(f, t))
+    x = np.array(list(fastest))  # (num_steps, len(FEATURES))
+    y = np.array(list(fastest.values()))  # (num_steps,)
     keep = list(range(len(FEATURES)))
     while True:
         coef, *_ = np.linalg.lstsq(x[:, keep] / y[:, None], np.ones(len(y)), rcond=None)
