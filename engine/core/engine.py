@@ -22,6 +22,7 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.request import EngineRequest, FirstToken, MultimodalItem
 from engine.model.runner import ModelRunner
 from engine.sampling.sampler import Sampler
+from engine.spec.ngram import NgramDrafter, SpeculativeConfig
 from engine.core.scheduler import Scheduler
 from engine.core.validation import check_images, check_request
 from llmapi.disaggregated_params import DisaggregatedParams, request_type
@@ -53,6 +54,7 @@ class EngineConfig:
     # bits whatever it is batched with, however its prompt is chunked, wherever it was prefilled, and after a resume
     # (the linears, norms and sampler are per-row already). Costs prefill speed (docs/performance.md). One rank only.
     batch_invariant: bool = False
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec/); None: off
 
     def pool_blocks(self, layout: KVLayout) -> int:
         """How many KV blocks of this layout the pool holds: num_blocks (of every layer) in blocks of one layer
@@ -123,8 +125,9 @@ class LLMEngine:
         self.connector = connector or NullConnector()
         self.connector.register_kv_cache(self.kv_cache, self.block_manager.generations, self.spec.fingerprint,
                                          self.ranks)
+        drafter = config.speculative and NgramDrafter(config.speculative, self.spec.max_position_embeddings)
         self.scheduler = Scheduler(self.block_manager, self.connector, config.max_num_batched_tokens,
-                                   config.max_num_seqs)
+                                   config.max_num_seqs, drafter)
         # Logits reach the sampler on the CPU whatever the model's device: the fused sampling kernel serves both.
         runner = ModelRunner(self.model, self.kv_cache, self.ranks)
         self.executor = ModelExecutor(runner, Sampler(config.seed, cpu_kernels()))
@@ -281,7 +284,8 @@ class LLMEngine:
                 "prefix_cache_query_tokens": cache.query_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_waiting_for_kv": len(self.scheduler.waiting_for_kv), "num_preemptions": self.scheduler.num_preemptions,
-                "num_reprefills": self.scheduler.num_reprefills, **self._rank_stats(), **kv.extra}
+                "num_reprefills": self.scheduler.num_reprefills, **self._rank_stats(), **kv.extra,
+                **(self.scheduler.drafter.stats() if self.scheduler.drafter else {})}
 
     def _rank_stats(self) -> dict[str, float]:
         """Tensor parallelism's cost here: all-reduces run and the seconds rank 0 spent in them."""

@@ -6,6 +6,8 @@ exactly as if they were its first sample.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.config import ModelSpec
@@ -60,7 +62,10 @@ class OutputProcessor:
             if req.context_only:
                 self._end_context(seq, samples)
                 continue
-            for s, sample in (self._fork(seq, samples) if not req.forked else [(seq, samples[0])]):
+            if req.forked:
+                deltas.setdefault(req.request_id, []).append(self._append_verified(seq, samples))
+                continue
+            for s, sample in self._fork(seq, samples):
                 deltas.setdefault(req.request_id, []).append(self._append(s, sample))
         for request_id, ds in deltas.items():
             self._pending.append(self._response(self.requests[request_id], ds))
@@ -131,6 +136,25 @@ class OutputProcessor:
         if reason is not None:
             return self._finish(seq, reason, stop, tokens, logprobs)
         return TokenDelta(seq.index, tokens, seq.cumulative_logprob, logprobs)
+
+    def _append_verified(self, seq: Sequence, samples: list[Sample]) -> TokenDelta:
+        """Appends the step's first sample, then each draft token's following sample while the draft token equals
+        the sample at its place (its KV, computed from it, then holds): the tokens are those of a step per token.
+        The rest of the drafts' KV slots are dropped, with the blocks past the sequence's end."""
+        draft, seq.draft = seq.draft, []
+        delta = self._append(seq, samples[0])
+        accepted = 0
+        for token, sample in zip(draft, samples[1:]):
+            if seq.finished or token != seq.token_ids[-1]:
+                break
+            seq.num_computed_tokens += 1
+            accepted += 1
+            delta = _merge(delta, self._append(seq, sample))
+        if draft:
+            self.scheduler.drafter.record(len(draft), accepted)
+            if not seq.finished:
+                self.block_manager.trim(seq)
+        return delta
 
     def _finish_reason(self, seq: Sequence, token: int, num_output_tokens: int | None = None):
         """(finish_reason, stop_reason) after seq got token, or (None, None) if it goes on."""
@@ -206,6 +230,12 @@ class OutputProcessor:
             out["prompt_logprobs"] = [None] + [top_logprobs(lp[i - 1], ids[i], params.prompt_logprobs)
                                                for i in range(1, len(ids))]
         return out
+
+
+def _merge(first: TokenDelta, then: TokenDelta) -> TokenDelta:
+    """One candidate's tokens of one step as one delta (speculation accepts several)."""
+    logprobs = None if first.logprobs is None else first.logprobs + (then.logprobs or ())
+    return dataclasses.replace(then, token_ids=first.token_ids + then.token_ids, logprobs=logprobs)
 
 
 def _triples(top: dict[int, Logprob] | None) -> tuple[tuple[int, float, int], ...]:

@@ -68,6 +68,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
     num_registered_blocks: int = 0  # leading blocks of the block tables entered in the prefix cache
     grammar: GrammarMatcher | None = None  # at this sequence's place, when the request has a grammar
+    draft: list[int] = field(default_factory=list)  # speculated next tokens this step verifies (engine/spec/)
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ from engine.kv.block_hash import image_safe_prefix, update_block_hashes
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_connector import ConnectorEvents, ImportPlan, KVConnector
 from engine.core.request import Sequence, SeqStatus
+from engine.spec.ngram import NgramDrafter
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,9 @@ class CacheStats:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, connector: KVConnector, max_num_batched_tokens: int,
-                 max_num_seqs: int):
+                 max_num_seqs: int, drafter: NgramDrafter | None = None):
         self.block_manager = block_manager
+        self.drafter = drafter  # speculative decoding: drafts a decoding sequence's next tokens (None: off)
         self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -136,13 +138,14 @@ class Scheduler:
     def on_computed(self, out: SchedulerOutput) -> None:
         """The step ran: advances each scheduled sequence's progress and caches its blocks that became full."""
         for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft)  # drafts count once accepted (OutputProcessor)
             if self.block_manager.enable_prefix_caching:
                 update_block_hashes(seq, self.block_manager.block_size)
                 self.block_manager.register(seq, seq.num_computed_tokens)
             self.block_manager.release_behind_window(seq)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        drafting = self.drafter is not None and self.drafter.enabled(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -150,6 +153,10 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            # drafts follow a sampled token: not a prompt's last chunk, which samples every candidate's first
+            decoding = n == 1 and seq.request.forked
+            seq.draft = self.drafter.propose(seq, budget - 1) if drafting and decoding else []
+            n += len(seq.draft)
             if not self._make_room(seq, n, out):
                 break  # seq itself was preempted; everything after it already was
             self.block_manager.allocate(seq, n)
@@ -173,7 +180,7 @@ class Scheduler:
         # blocks stay in the prefix cache until evicted, so it may well find them again). An import is re-read.
         self._dequeue(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens, seq.draft = 0, []
         self.add(seq, front=True)
         out.preempted.append(seq)
         self.num_preemptions += 1

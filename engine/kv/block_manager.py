@@ -193,6 +193,15 @@ class BlockManager:
                 self._release(table[i])
                 table[i] = PLACEHOLDER
 
+    def trim(self, seq: Sequence) -> None:
+        """Releases seq's blocks past those its tokens need (held for drafts that were rejected)."""
+        end = self.blocks_for(seq.num_tokens)
+        for table in seq.block_tables:
+            while len(table) > end:
+                block = table.pop()
+                if block >= 0:
+                    self._release(block)
+
     def free(self, seq: Sequence) -> None:
         """Drops seq's references; a block returns to the pool when no sequence holds it. Idempotent. The last
         blocks are freed first, so under eviction pressure a prompt's tail goes before its (more shared) head."""

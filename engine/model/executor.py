@@ -16,7 +16,8 @@ from engine.core.scheduler import SchedulerOutput
 
 @dataclass
 class ModelOutput:
-    samples: dict[Sequence, list[Sample]] = field(default_factory=dict)  # one per candidate before the fork, else one
+    # One per candidate before the fork, else one per position: the next token, then one after each draft token.
+    samples: dict[Sequence, list[Sample]] = field(default_factory=dict)
     prompt_logits: dict[Sequence, dict[int, torch.Tensor]] = field(default_factory=dict)  # position -> (vocab,) fp32
 
 
@@ -40,12 +41,22 @@ class ModelExecutor:
 
     def _sample_rows(self, out: SchedulerOutput, last_rows: list[int]) -> tuple[list[SampleRow], list, list[int]]:
         """What to sample: one row per candidate of each sequence whose new tokens reach its end (a request's first
-        sample draws one token per candidate from the same logits), its sequence, and its flat row."""
+        sample draws one token per candidate from the same logits), its sequence, and its flat row. A sequence
+        with drafts gets a row per position: each as it would be sampled had the drafts before it been sampled."""
         rows, owners, flat = [], [], []
         for (seq, n), row in zip(out.scheduled, last_rows):
             if seq.num_computed_tokens + n < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end yet
             req = seq.request
+            if seq.draft:
+                k = len(seq.draft)
+                for i in range(k + 1):
+                    rows.append(SampleRow(req.sampling_params, seq.index, seq.num_tokens + i,
+                                          seq.token_ids + seq.draft[:i] if i else seq.token_ids,
+                                          seq.num_prompt_tokens))
+                    owners.append(seq)
+                    flat.append(row - k + i)
+                continue
             for k in ([seq.index] if req.forked else range(req.sampling_params.num_candidates)):
                 rows.append(SampleRow(req.sampling_params, k, seq.num_tokens, seq.token_ids, seq.num_prompt_tokens,
                                       seq.grammar))

@@ -51,9 +51,13 @@ class ModelRunner:
         slices: list[SeqSlice] = []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
+            ids.extend((seq.token_ids + seq.draft if seq.draft else seq.token_ids)[start : start + n])
             positions.extend(range(start, start + n))
-            slices.append(SeqSlice(block_tables=tuple(seq.block_tables), start=start, num_new=n))
+            tables = tuple(seq.block_tables)
+            if seq.draft:  # each verified position attends as a decode token would: the same logits, bit for bit
+                slices.extend(SeqSlice(tables, start + i, 1) for i in range(n))
+            else:
+                slices.append(SeqSlice(block_tables=tables, start=start, num_new=n))
         plan = StepPlan(ids, positions, slices, image_rows(scheduled), tuple(self._copies), tuple(logit_rows))
         if self.ranks is None:
             return self.execute(plan)

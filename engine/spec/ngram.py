@@ -1,0 +1,93 @@
+"""Speculative decoding's drafts: n-gram prompt lookup (vLLM's `method: ngram`).
+
+A running sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are looked up earlier in its
+own tokens (prompt and output); the tokens that followed the latest match are the draft. The target model then
+computes the sequence's next token and one position per draft token in one forward; each position's token is
+sampled exactly as without speculation (same logits, same seeded draw), and a draft token is kept while it equals
+the token sampled at its place (engine/core/output_processor.py), so speculation changes how fast tokens come, never
+which: greedy or seeded, n-gram drafts being point guesses, this is the acceptance rule that preserves the target
+distribution, at acceptance p(draft). Drafts depend on the sequence's tokens only, so a resumed or handed-over sequence proposes the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.core.request import Sequence
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Like vLLM's speculative_config. disable_by_batch_size: no drafts while more sequences than this run (a
+    large batch is no longer bound by reading the weights: verifying drafts then costs more than it saves)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; supported: {', '.join(METHODS)}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculation needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+
+def lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of tokens' last n tokens, for the largest n in
+    [n_min, n_max] that has one; [] if none."""
+    if k < 1 or len(tokens) <= n_min:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)  # (L,)
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        # windows ending before the last token: an occurrence must be followed by at least one token
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # (L - n, n)
+        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k]
+    return []
+
+
+class NgramDrafter:
+    """Proposes each running sequence's drafts; max_model_len bounds them like the sequence's own tokens."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.num_drafted = 0  # draft tokens the target model verified
+        self.num_accepted = 0  # of those, accepted
+        self.num_verify_steps = 0  # sequences' steps that verified at least one draft
+
+    def enabled(self, batch_size: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or batch_size <= limit
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """seq's drafts for its next step, at most budget tokens; [] where speculation does not apply: a request
+        whose grammar must see every token, or one with at most one token left to generate."""
+        if seq.grammar is not None:
+            return []
+        params = seq.request.sampling_params
+        room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        k = min(self.config.num_speculative_tokens, budget, room)
+        return lookup(seq.token_ids, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        self.num_verify_steps += 1
+
+    def stats(self) -> dict[str, float]:
+        return {"spec_draft_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted,
+                "spec_verify_steps": self.num_verify_steps}
