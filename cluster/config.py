@@ -153,6 +153,26 @@ class Role(_Strict):
         return options
 
 
+class SpeculativeSettings(_Strict):
+    """Speculative decoding (engine.spec.ngram.SpeculativeConfig), as vLLM's speculative_config."""
+
+    method: Literal["ngram"] = Field("ngram", description="ngram: drafts are what followed the sequence's last "
+                                                          "tokens earlier in its prompt or output (prompt lookup).")
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description="Most draft tokens verified per sequence and step.")
+    prompt_lookup_min: int = Field(2, ge=1, description="Shortest n-gram looked up.")
+    prompt_lookup_max: int = Field(4, ge=1, description="Longest n-gram looked up (the longest that matches wins).")
+    disable_by_batch_size: int | None = Field(None, ge=1, description="No drafts while more sequences than this "
+                                                                      "run: a large batch no longer waits on "
+                                                                      "reading the weights.")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
 class EngineSettings(_Strict):
     """What every prefill and decode engine is built with (engine.core.engine.EngineConfig)."""
 
@@ -181,6 +201,9 @@ class EngineSettings(_Strict):
                                                      "it is batched, chunked, handed off or resumed: seeded "
                                                      "sampling then survives faults token for token. Costs prefill "
                                                      "speed; one rank per role; not for latent attention or sinks.")
+    speculative_config: SpeculativeSettings | None = Field(
+        None, description="Speculative decoding on decoding engines: the same tokens, several per step where the "
+                          "drafts are right. Unset: off.")
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> EngineSettings:
@@ -443,6 +466,7 @@ class RaypdConfig(_Strict):
         """The engine.core.engine.EngineConfig the engines of this deployment are built with; role ("prefill" or
         "decode"): with that role's own KV pool when it sets one."""
         from engine.core.engine import EngineConfig  # imports torch: only where an engine is built, not for the CLI
+        from engine.spec.ngram import SpeculativeConfig
 
         e = self.engine
         pool = {"num_blocks": e.num_blocks} if e.num_blocks else {}
@@ -456,7 +480,8 @@ class RaypdConfig(_Strict):
                             device=e.device, num_threads=e.num_threads, seed=e.seed,
                             enable_prefix_caching=e.enable_prefix_caching, kv_lease_s=e.kv_lease_s,
                             kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key,
-                            batch_invariant=e.batch_invariant,
+                            batch_invariant=e.batch_invariant, speculative_config=e.speculative_config and
+                            SpeculativeConfig(**e.speculative_config.model_dump()),
                             tensor_parallel_size=getattr(self, role).tensor_parallel_size if role else 1, **pool)
 
 

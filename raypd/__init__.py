@@ -4,11 +4,13 @@ MultimodalEncoder loads on first use: it registers its arena with NIXL, which a 
 
 from llmapi import (CompletionOutput, DisaggregatedParams, GenerationResult, GuidedDecodingParams, Logprob,
                     MetricNames, MultimodalEmbeddingHandle, RequestError, RequestOutput, SamplingParams)
+from engine.spec.ngram import SpeculativeConfig
 from raypd.llm import LLM
 
 __all__ = [
     "LLM", "MultimodalEncoder", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput",
     "GenerationResult", "DisaggregatedParams", "Logprob", "MetricNames", "RequestError", "MultimodalEmbeddingHandle",
+    "SpeculativeConfig",
 ]
 
 

@@ -12,6 +12,7 @@ from engine.core.engine import EngineConfig, LLMEngine, nixl_connector
 from engine.multimodal.image_inputs import ImageInputs, PreparedPrompt
 from engine.kv.kv_handle import KVHandle
 from engine.core.loop import EngineLoop
+from engine.spec.ngram import SpeculativeConfig
 from llmapi.batch import Prompt, as_prompt_list, split_prompt, wait_all
 from postproc.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams
@@ -31,13 +32,16 @@ class LLM:
         """num_postprocess_workers: 0 detokenizes on the engine thread; N >= 1 in N worker processes, which also
         run post_processor_hook ("module.Class", a postproc.hooks.PostProcessorHook) on every chunk.
         kv_transfer: None serves whole requests only (nixl is never loaded); "nixl" also serves context_only and
-        generation_only requests, exchanging KV with other engines over NIXL."""
+        generation_only requests, exchanging KV with other engines over NIXL. speculative_config (among the
+        engine's settings): a SpeculativeConfig, or its fields as a dict, as vLLM takes it."""
         if post_processor_hook and not num_postprocess_workers:
             raise ValueError("post_processor_hook runs in postproc workers: set num_postprocess_workers >= 1")
         if kv_transfer not in (None, "nixl"):
             raise ValueError(f"kv_transfer must be None or 'nixl', got {kv_transfer!r}")
         self.model_dir = model
         self.tokenizer = AutoTokenizer.from_pretrained(model)
+        if isinstance(engine_kwargs.get("speculative_config"), dict):
+            engine_kwargs["speculative_config"] = SpeculativeConfig(**engine_kwargs["speculative_config"])
         config = engine_config or EngineConfig(**engine_kwargs)
         engine = LLMEngine(model, config, nixl_connector(config) if kv_transfer else None)
         self.engine = engine

@@ -54,7 +54,7 @@ class EngineConfig:
     # bits whatever it is batched with, however its prompt is chunked, wherever it was prefilled, and after a resume
     # (the linears, norms and sampler are per-row already). Costs prefill speed (docs/performance.md). One rank only.
     batch_invariant: bool = False
-    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec/); None: off
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (engine/spec/); None: off
 
     def pool_blocks(self, layout: KVLayout) -> int:
         """How many KV blocks of this layout the pool holds: num_blocks (of every layer) in blocks of one layer
@@ -125,7 +125,8 @@ class LLMEngine:
         self.connector = connector or NullConnector()
         self.connector.register_kv_cache(self.kv_cache, self.block_manager.generations, self.spec.fingerprint,
                                          self.ranks)
-        drafter = config.speculative and NgramDrafter(config.speculative, self.spec.max_position_embeddings)
+        spec = config.speculative_config
+        drafter = spec and NgramDrafter(spec, self.spec.max_position_embeddings)
         self.scheduler = Scheduler(self.block_manager, self.connector, config.max_num_batched_tokens,
                                    config.max_num_seqs, drafter)
         # Logits reach the sampler on the CPU whatever the model's device: the fused sampling kernel serves both.

@@ -131,6 +131,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if self.drafter is not None and self.drafter.enabled(len(self.running)):
+            budget = self._add_drafts(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
@@ -145,7 +147,6 @@ class Scheduler:
             self.block_manager.release_behind_window(seq)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        drafting = self.drafter is not None and self.drafter.enabled(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -153,16 +154,31 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            # drafts follow a sampled token: not a prompt's last chunk, which samples every candidate's first
-            decoding = n == 1 and seq.request.forked
-            seq.draft = self.drafter.propose(seq, budget - 1) if drafting and decoding else []
-            n += len(seq.draft)
             if not self._make_room(seq, n, out):
                 break  # seq itself was preempted; everything after it already was
             self.block_manager.allocate(seq, n)
             out.scheduled.append((seq, n))
             budget -= n
             i += 1
+        return budget
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Speculation: each decoding sequence scheduled for one token also computes its drafts, from what the
+        step's budget and the free blocks leave once every running sequence has its place (a guess never preempts
+        anything). Not a prompt's last chunk: it samples every candidate's first token. Returns the budget left."""
+        for i, (seq, n) in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            if n != 1 or not seq.request.forked:
+                continue
+            draft = self.drafter.propose(seq, budget)
+            while draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
+                draft.pop()  # as many as the blocks it holds and the free ones take
+            if draft:
+                self.block_manager.allocate(seq, 1 + len(draft))
+                seq.draft = draft
+                out.scheduled[i] = (seq, 1 + len(draft))
+                budget -= len(draft)
         return budget
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:

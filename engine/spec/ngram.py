@@ -44,8 +44,9 @@ class SpeculativeConfig:
 
 
 def lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of tokens' last n tokens, for the largest n in
-    [n_min, n_max] that has one; [] if none."""
+    """Up to k tokens that followed an earlier occurrence of tokens' last n tokens, for the largest n in
+    [n_min, n_max] that has one: the latest occurrence with k tokens after it, else the earliest (the most after
+    it); [] if none."""
     if k < 1 or len(tokens) <= n_min:
         return []
     arr = np.asarray(tokens, dtype=np.int64)  # (L,)
@@ -54,7 +55,8 @@ def lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # (L - n, n)
         hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= len(tokens)]
+            start = int(full[-1] if full.size else hits[0]) + n
             return tokens[start:start + k]
     return []
 

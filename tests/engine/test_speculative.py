@@ -8,7 +8,11 @@ import random
 import pytest
 
 from engine.core.engine import EngineConfig, LLMEngine
-from engine.spec.ngram import SpeculativeConfig, lookup
+from engine.core.request import EngineRequest, Sequence
+from engine.core.scheduler import Scheduler
+from engine.kv.block_manager import BlockManager
+from engine.kv.kv_connector import NullConnector
+from engine.spec.ngram import NgramDrafter, SpeculativeConfig, lookup
 from raypd import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
 from tests.engine.test_engine import run
 from tests.pools import wait_pools_full
@@ -36,17 +40,19 @@ def repetitive_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def test_lookup_takes_what_followed_the_latest_longest_match():
+def test_lookup_takes_what_followed_the_latest_longest_match_with_k_after_it():
     assert lookup([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
-    assert lookup([5, 1, 2, 3, 1, 2, 3, 9, 1, 2], 4, 2, 3) == [3, 9, 1, 2]  # the latest occurrence of (1, 2)
-    assert lookup([7, 1, 2, 8, 2], 2, 1, 2) == [8, 2]  # (1, 2)... no: the 2-gram (8, 2) is new, the 1-gram 2 is not
+    assert lookup([5, 1, 2, 3, 1, 2, 3, 9, 1, 2], 4, 2, 3) == [3, 9, 1, 2]  # (9, 1, 2) is new; the latest (1, 2)
+    assert lookup([5, 1, 2, 8, 1, 2, 9, 4, 1, 2], 2, 2, 2) == [9, 4]  # the latest (1, 2) with 2 tokens after it
+    assert lookup([5, 6, 7, 5, 6, 7, 5, 6], 4, 2, 2) == [7, 5, 6, 7]  # the latest has 3 after it: the earliest, 5
+    assert lookup([7, 1, 2, 8, 2], 2, 1, 2) == [8, 2]  # the 2-gram (8, 2) is new; the 1-gram 2 is not
     assert lookup([1, 2, 3], 2, 1, 2) == [] and lookup([4, 4], 0, 1, 2) == []
 
 
 def _serve(model: str, spec: SpeculativeConfig | None, params: SamplingParams, prompts, num_blocks: int):
     """Two rounds of the prompts on one engine (the second hits the prefix cache), in chunks of 16 tokens and a
     pool that preempts: each round's outputs, and the engine's stats."""
-    config = EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16, speculative=spec)
+    config = EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16, speculative_config=spec)
     engine = LLMEngine(model, config)
     rounds = [run(engine, {0: [(i, p, params) for i, p in enumerate(prompts)]}) for _ in range(2)]
     return rounds, engine.stats()
@@ -59,10 +65,12 @@ def test_speculation_gives_the_tokens_and_logprobs_of_decoding_without_it(model_
     pool = FAMILIES[arch][1]
     # Latent attention's decode path pads its queries' contexts, so its logits differ in the last bits with the
     # step's company (docs/reliability.md): a seeded draw near a boundary can flip; greedy tokens hold.
+    preempted = hits = 0
     for params in (GREEDY,) if arch == "deepseek_v3" else (GREEDY, SEEDED):
         want, plain = _serve(model, None, params, prompts, pool)
         got, stats = _serve(model, SPEC, params, prompts, pool)
-        assert plain["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+        preempted += stats["num_preemptions"]
+        hits += stats["prefix_cache_hit_tokens"]
         for a, b in zip(got, want):
             for rid, candidates in b.items():
                 for k, (tokens, logprobs) in candidates.items():
@@ -71,12 +79,13 @@ def test_speculation_gives_the_tokens_and_logprobs_of_decoding_without_it(model_
                         assert mine[t].logprob == pytest.approx(theirs[t].logprob, abs=1e-4)
         if params is GREEDY:
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    assert preempted > 0 and hits > 0  # the runs went through preemption and prefix hits
 
 
 def test_no_drafts_above_the_batch_size_limit_or_for_a_grammar(model_factory):
     model = looping_model(model_factory, "llama")
     prompts = repetitive_prompts(3)
-    engine = LLMEngine(model, EngineConfig(block_size=4, speculative=SpeculativeConfig(disable_by_batch_size=2)))
+    engine = LLMEngine(model, EngineConfig(block_size=4, speculative_config=SpeculativeConfig(disable_by_batch_size=2)))
     run(engine, {0: [(i, p, GREEDY) for i, p in enumerate(prompts)]})
     assert engine.stats()["spec_draft_tokens"] == 0  # three run at once: over the limit
     run(engine, {0: [(9, prompts[0], GREEDY)]})
@@ -93,7 +102,8 @@ def test_speculation_on_the_decode_side_of_a_hand_off(model_factory):
     model = looping_model(model_factory, "llama")
     prompts = repetitive_prompts(2, seed=5)
     with LLM(model, block_size=4, kv_transfer="nixl") as ctx, \
-            LLM(model, block_size=4, kv_transfer="nixl", speculative=SPEC) as gen:
+            LLM(model, block_size=4, kv_transfer="nixl",
+                speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as gen:
         for params in (GREEDY, SEEDED):
             for prompt in prompts:
                 ref = ctx.generate(prompt, params, use_tqdm=False)
@@ -106,3 +116,51 @@ def test_speculation_on_the_decode_side_of_a_hand_off(model_factory):
                     assert [o.text for o in g.outputs] == [o.text for o in ref.outputs]
         assert gen.engine.stats()["spec_accepted_tokens"] > 0
         wait_pools_full(ctx, gen)
+
+
+def test_rejected_drafts_give_their_blocks_back(model_factory):
+    """After every step a sequence holds only the blocks its tokens need (a rejected draft's are back in the pool)."""
+    model = looping_model(model_factory, "llama")
+    spec = SpeculativeConfig(num_speculative_tokens=9, prompt_lookup_min=1)  # drafts that cross blocks of 4
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, speculative_config=spec))
+    for i, prompt in enumerate(repetitive_prompts(3, seed=9)):
+        engine.add_request(i, prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    bm = engine.block_manager
+    while engine.has_unfinished_requests():
+        engine.step()
+        bm.check()
+        for seq in engine.scheduler.running:
+            assert len(seq.block_tables[0]) <= bm.blocks_for(seq.num_tokens)
+    stats = engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def _decoding(seq_id: int, tokens: list[int], bm: BlockManager) -> Sequence:
+    """A running sequence whose tokens but the last are computed (it has sampled)."""
+    req = EngineRequest(seq_id, tokens[:4], SamplingParams(max_tokens=64, temperature=0))
+    seq = Sequence(seq_id, req, 0, list(tokens))
+    req.seqs.append(seq)
+    req.forked = True
+    bm.admit(seq, bm.lookup([]))
+    bm.allocate(seq, len(tokens) - 1)
+    seq.num_computed_tokens = len(tokens) - 1
+    return seq
+
+
+def test_drafts_take_only_blocks_left_free_and_never_preempt():
+    """Drafts are added once every running sequence has its place, from the blocks then free: a guess never
+    preempts a sequence, nor takes the block another needs for its next token."""
+    bm = BlockManager(12, 4, enable_prefix_caching=False)
+    drafter = NgramDrafter(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1), 2048)
+    sched = Scheduler(bm, NullConnector(), 64, 8, drafter)
+    loop = [5, 6, 7] * 4 + [5, 6]  # 14 tokens, 13 computed: 4 blocks each, positions 13-15 free in the last
+    a, b, c = _decoding(0, loop, bm), _decoding(1, loop, bm), _decoding(2, loop[:12], bm)  # c: 3 blocks
+    for s in (a, b, c):
+        sched.add_running(s)
+    assert bm.num_free_blocks == 1
+    out = sched.schedule()  # every next token fits its sequence's last block: no block taken before the drafts
+    # a's 4 drafts (positions 14-17) take the free block; b's stop at position 15, the end of its last block; c's
+    # would start a block (position 12): none
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 5), (1, 3), (2, 1)] and not out.preempted
+    assert a.draft == [7, 5, 6, 7] and b.draft == [7, 5] and c.draft == [] and bm.num_free_blocks == 0

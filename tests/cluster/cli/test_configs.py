@@ -71,6 +71,16 @@ def test_a_role_can_size_its_own_kv_pool(workdir):
     assert decode.num_blocks == 64 and decode.kv_cache_bytes != 32 * 2**20  # the engine's pool
 
 
+def test_speculative_config_reaches_the_engines(workdir):
+    path = workdir / "spec.yaml"
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "disable_by_batch_size": 8}
+    path.write_text(yaml.safe_dump({**_yaml(REPO / "configs" / "local.yaml"), "engine": {"speculative_config": spec}}))
+    got = load_config(path).engine_config(role="decode").speculative_config
+    assert (got.method, got.num_speculative_tokens, got.prompt_lookup_min, got.prompt_lookup_max,
+            got.disable_by_batch_size) == ("ngram", 5, 2, 3, 8)
+    assert load_config(REPO / "configs" / "local.yaml").engine_config().speculative_config is None
+
+
 def test_multinode_config_places_roles_and_autoscales_decode(workdir):
     config = load_config(REPO / "configs" / "multinode.yaml")
     prefill, decode = config.prefill.deployment_options(), config.decode.deployment_options()
@@ -110,6 +120,9 @@ def test_multinode_config_places_roles_and_autoscales_decode(workdir):
     ({"dtype": "int4"}, "dtype: Input should be"),
     ({"postproc": {"replicas": 2, "kv_cache_bytes": "1GiB"}}, "postproc: kv_cache_bytes: postproc has no KV pool"),
     ({"prefill": {"kv_cache_bytes": 0}}, "prefill: kv_cache_bytes: must be >= 1 byte"),
+    ({"engine": {"speculative_config": {"method": "eagle"}}}, "engine.speculative_config.method: Input should be 'ngram'"),
+    ({"engine": {"speculative_config": {"prompt_lookup_min": 5, "prompt_lookup_max": 3}}},
+     "prompt_lookup_min (5) must be <= prompt_lookup_max (3)"),
 ])
 def test_a_bad_config_fails_naming_the_field(workdir, change, expected):
     path = workdir / "bad.yaml"
