@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 # What a request asks of an engine: all of it, its prompt only (prefill), or generation from a handed-off KV (decode)
 RequestType = Literal["context_and_generation", "context_only", "generation_only"]
 REQUEST_TYPES: tuple[str, ...] = get_args(RequestType)
+MAX_DRAFT_TOKENS = 16  # speculative drafts carried from the context side (as num_speculative_tokens' limit)
 
 
 def request_type(params: DisaggregatedParams | None) -> RequestType:
@@ -61,6 +62,15 @@ class DisaggregatedParams:
             if self.multimodal_embedding_handles:
                 raise ValueError("DisaggregatedParams.multimodal_embedding_handles: a generation_only request reads "
                                  "the prompt's KV, not its image embeddings (give them to the context_only request)")
+        drafts = self.draft_tokens
+        if drafts is not None:
+            if not isinstance(drafts, list) or len(drafts) > MAX_DRAFT_TOKENS or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in drafts):
+                raise ValueError(f"DisaggregatedParams.draft_tokens must be a list of at most {MAX_DRAFT_TOKENS} "
+                                 "non-negative token ids")
+            if drafts and self.first_gen_tokens is not None and len(self.first_gen_tokens) != 1:
+                raise ValueError("DisaggregatedParams.draft_tokens: drafts follow one candidate's first token, "
+                                 f"got {len(self.first_gen_tokens)} first_gen_tokens")
         handles, hashes = self.multimodal_embedding_handles, self.multimodal_hashes
         if hashes is not None and handles is not None and len(hashes) != len(handles):
             raise ValueError(f"DisaggregatedParams: {len(hashes)} multimodal_hashes for {len(handles)} "

@@ -92,20 +92,23 @@ class TokenDelta:
 @dataclass(frozen=True)
 class Handoff:
     """How a context-only request ends when decoding goes on elsewhere: each candidate's first token and the signed
-    handle (opaque_state) of the prompt's KV, held under a lease until a decode engine has read it."""
+    handle (opaque_state) of the prompt's KV, held under a lease until a decode engine has read it; with speculation,
+    the drafts of the token after the first (one candidate only), which the decode side verifies in its first step."""
 
     ctx_request_id: int
     first_gen_tokens: tuple[int, ...]
     opaque_state: bytes
+    draft_tokens: tuple[int, ...] = ()
 
     def context_params(self) -> DisaggregatedParams:
         """What the context-only caller gets (the reference API's result.disaggregated_params)."""
-        return DisaggregatedParams("context_only", list(self.first_gen_tokens), self.ctx_request_id, self.opaque_state)
+        return DisaggregatedParams("context_only", list(self.first_gen_tokens), self.ctx_request_id, self.opaque_state,
+                                   list(self.draft_tokens) or None)
 
     def generation_params(self) -> DisaggregatedParams:
         """What a decode engine takes to continue the request."""
         return DisaggregatedParams("generation_only", list(self.first_gen_tokens), self.ctx_request_id,
-                                   self.opaque_state)
+                                   self.opaque_state, list(self.draft_tokens) or None)
 
 
 @dataclass(frozen=True)

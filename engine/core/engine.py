@@ -3,6 +3,8 @@ model, update from the output. Requests are validated here and then live in the 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ from llmapi.disaggregated_params import DisaggregatedParams, request_type
 from llmapi.outputs import RequestDelta, Resume
 from llmapi.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -230,6 +233,10 @@ class LLMEngine:
         tops = handle.first_top_logprobs or ((),) * count
         req.kv_source = handle
         req.first_tokens = tuple(FirstToken(t, lp, top) for t, lp, top in zip(params.first_gen_tokens, logprobs, tops))
+        drafts = params.draft_tokens or ()
+        if any(t >= self.spec.vocab_size for t in drafts):
+            raise ValueError(f"draft_tokens out of range [0, {self.spec.vocab_size})")
+        req.carried_draft = tuple(drafts)
 
     def abort_request(self, request_id: int) -> None:
         """Stops every candidate of the request and frees its blocks, wherever it is (queued, prefilling, reading
@@ -249,11 +256,20 @@ class LLMEngine:
 
     # ---- disaggregation ----
     def card(self) -> EngineCard:
-        return self.connector.card()
+        return dataclasses.replace(self.connector.card(), speculation=self._speculation)
 
     def meet(self, card: EngineCard) -> None:
-        """First contact with a peer engine: refuses an incompatible one, naming every mismatch, then connects."""
+        """First contact with a peer engine: refuses an incompatible one, naming every mismatch, then connects. A
+        peer that drafts by another method (or this engine not at all) is said once: its drafts are not used."""
         self.connector.meet(card)
+        if card.speculation is not None and card.speculation != self._speculation:
+            log.info("engine %r sends %s drafts with its hand-offs; this engine %s: they are ignored", card.name,
+                     card.speculation, f"drafts by {self._speculation}" if self._speculation else "does not speculate")
+
+    @property
+    def _speculation(self) -> str | None:
+        spec = self.config.speculative_config
+        return spec.method if spec is not None else None
 
     def release_kv(self, params: DisaggregatedParams) -> None:
         """Tells the prefill engine named by a KV handle that its blocks will not be read (the request ended before

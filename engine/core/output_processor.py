@@ -195,7 +195,9 @@ class OutputProcessor:
         opaque = self.connector.hold(req.request_id, blocks, req.num_prompt_tokens, [s.logprob for s in samples],
                                      [_triples(s.top_logprobs) for s in samples], req.mm_items, starts)
         self.scheduler.hold(seq)
-        handoff = Handoff(req.request_id, tuple(s.token_id for s in samples), opaque)
+        drafter = self.scheduler.drafter
+        drafts = drafter.first_drafts(seq, samples[0].token_id) if drafter is not None and len(samples) == 1 else []
+        handoff = Handoff(req.request_id, tuple(s.token_id for s in samples), opaque, tuple(drafts))
         self._pending.append(self._response(req, deltas, handoff=handoff))
 
     # ---- responses ----

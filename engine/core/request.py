@@ -113,6 +113,7 @@ class EngineRequest:
     mm_embeddings: tuple[torch.Tensor, ...] = ()
     kv_source: KVHandle | None = None  # generation_only: the verified KV handle its prompt's KV is read from
     first_tokens: tuple[FirstToken, ...] = ()  # generation_only: each candidate's first token, from the prefill side
+    carried_draft: tuple[int, ...] = ()  # generation_only: the prefill side's drafts after the first token
     echo_first_tokens: bool = True  # generation_only: emit the first tokens again (an owner that streamed them: no)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
 

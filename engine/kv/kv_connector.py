@@ -32,6 +32,7 @@ class EngineCard:
     layout: KVLayout
     fingerprint: str
     rank_transport_infos: tuple[bytes, ...] = ()  # ranks 1..N-1's, under tensor parallelism
+    speculation: str | None = None  # the method its drafts are made by (engine/spec/), if it speculates
 
 
 @dataclass(frozen=True)

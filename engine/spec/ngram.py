@@ -101,10 +101,23 @@ class NgramDrafter:
         params = seq.request.sampling_params
         room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         k = min(self.config.num_speculative_tokens, budget, room)
+        carried = seq.request.carried_draft
+        if carried and seq.num_output_tokens == 1:  # the prefill side drafted after the first token (one candidate)
+            return list(carried[:k])
         index = self._indexes.get(seq)
         if index is None:
             index = self._indexes[seq] = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         return index.propose(seq.token_ids, k)
+
+    def first_drafts(self, seq: Sequence, first_token: int) -> list[int]:
+        """A context-only request's drafts after its first token, for the decode side's first step."""
+        if seq.grammar is not None:
+            return []
+        params = seq.request.sampling_params
+        room = min(params.max_tokens - 1, self.max_model_len - seq.num_tokens - 1) - 1
+        k = min(self.config.num_speculative_tokens, room)
+        index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        return index.propose(seq.token_ids + [first_token], k)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_drafted += drafted

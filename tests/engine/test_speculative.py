@@ -96,26 +96,41 @@ def test_no_drafts_above_the_batch_size_limit_or_for_a_grammar(model_factory):
     assert engine.stats()["spec_draft_tokens"] == before
 
 
-def test_speculation_on_the_decode_side_of_a_hand_off(model_factory):
-    """Prefill without speculation, decode with it: the tokens of colocated decoding without it, greedy and seeded,
-    and again when the decode side holds the prompt's blocks."""
+def test_speculation_across_a_hand_off(model_factory):
+    """Prefill and decode with and without speculation: the tokens of colocated decoding without it, greedy and
+    seeded, and again when the decode side holds the prompt's blocks. A speculating prefill side returns its drafts
+    after the first token in draft_tokens; a speculating decode side verifies them in its first step, one that
+    does not speculate ignores them."""
     model = looping_model(model_factory, "llama")
     prompts = repetitive_prompts(2, seed=5)
-    with LLM(model, block_size=4, kv_transfer="nixl") as ctx, \
-            LLM(model, block_size=4, kv_transfer="nixl",
-                speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as gen:
+    spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with LLM(model, block_size=4, kv_transfer="nixl") as plain, \
+            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=spec) as speculating, \
+            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=spec) as other:
         for params in (GREEDY, SEEDED):
             for prompt in prompts:
-                ref = ctx.generate(prompt, params, use_tqdm=False)
-                for _ in range(2):
+                ref = plain.generate(prompt, params, use_tqdm=False)
+                for ctx, gen in ((plain, speculating), (speculating, other), (speculating, plain)):
                     c = ctx.generate(prompt, params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
                     dp = c.disaggregated_params
+                    first = dp.first_gen_tokens
+                    drafts = lookup(prompt + first, 4, 1, 3) if ctx is speculating and params.n == 1 else []
+                    assert (dp.draft_tokens or []) == drafts
                     dp.request_type = "generation_only"
                     g = gen.generate(prompt, params, disaggregated_params=dp)
                     assert [o.token_ids for o in g.outputs] == [o.token_ids for o in ref.outputs]
                     assert [o.text for o in g.outputs] == [o.text for o in ref.outputs]
-        assert gen.engine.stats()["spec_accepted_tokens"] > 0
-        wait_pools_full(ctx, gen)
+        assert speculating.engine.stats()["spec_accepted_tokens"] > 0 and other.engine.stats()["spec_draft_tokens"] > 0
+        # drafts that are wrong cost a verification, never a token
+        ref = plain.generate(prompts[0], GREEDY, use_tqdm=False)
+        dp = speculating.generate(prompts[0], GREEDY,
+                                  disaggregated_params=DisaggregatedParams(request_type="context_only")).disaggregated_params
+        dp.request_type, dp.draft_tokens = "generation_only", [3000, 3001, 3002]
+        before = other.engine.stats()["spec_draft_tokens"]
+        g = other.generate(prompts[0], GREEDY, disaggregated_params=dp)
+        assert g.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert other.engine.stats()["spec_draft_tokens"] >= before + 3
+        wait_pools_full(plain, speculating, other)
 
 
 def test_rejected_drafts_give_their_blocks_back(model_factory):
