@@ -125,13 +125,17 @@ def _bench(args: argparse.Namespace) -> int:
     from benchmarks.client import run_benchmark
     from benchmarks.workload import BenchConfig
     from benchmarks.report import format_table, plot_latency_cdfs, write_json
+    from benchmarks.server_stats import scrape, speculation_lines
 
     try:
         config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
     except ValueError as exc:  # the message names the setting
         raise ConfigError(str(exc)) from None
+    before = scrape(args.base_url, args.api_key)
     results = {args.base_url: run_benchmark(config)}
     print(format_table(results))
+    for line in speculation_lines(before, scrape(args.base_url, args.api_key)):
+        print(line)
     errors = results[args.base_url].errors()
     for error in errors[:5]:
         print(f"failed: {error}", file=sys.stderr)

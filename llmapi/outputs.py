@@ -31,6 +31,8 @@ class MetricNames(str, Enum):
     REQUEST_QUEUE_TIME = "request_queue_time"
     PROMPT_TOKENS = "prompt_tokens"
     GENERATION_TOKENS = "generation_tokens"
+    SPEC_DRAFT_TOKENS = "spec_draft_tokens"  # speculative decoding: drafts verified (only when there were any)
+    SPEC_ACCEPTED_TOKENS = "spec_accepted_tokens"  # of those, kept
 
 
 @dataclass
@@ -87,6 +89,8 @@ class TokenDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
+    num_draft_tokens: int = 0  # speculative drafts verified for this candidate in this step
+    num_accepted_draft_tokens: int = 0  # of those, kept (each one token of token_ids)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class GenerationResult:
         # A context-only result is done once its hand-off arrives; a whole request goes on after it.
         self._context_only = disaggregated_params is not None and disaggregated_params.request_type == "context_only"
         self._num_cached_tokens: int | None = None
+        self._drafts: dict[int, tuple[int, int]] = {}  # candidate -> speculative drafts verified, kept
         self._queue: queue.Queue[RequestDelta | BaseException] = queue.Queue()
         self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # an async consumer waiting
         self._candidates = [CompletionOutput(i) for i in range(sampling_params.num_candidates)]
@@ -255,6 +256,9 @@ class GenerationResult:
         out.cumulative_logprob = d.cumulative_logprob
         if d.logprobs is not None:
             out.logprobs = (out.logprobs or []) + list(d.logprobs)
+        if d.num_draft_tokens:
+            drafted, accepted = self._drafts.get(d.index, (0, 0))
+            self._drafts[d.index] = (drafted + d.num_draft_tokens, accepted + d.num_accepted_draft_tokens)
         if d.finish_reason is not None and out.finish_reason is None:
             out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
             self.record_stats(out, sequence_index=d.index)
@@ -275,6 +279,10 @@ class GenerationResult:
         if self._queue_time is not None:
             stats.setdefault(MetricNames.REQUEST_QUEUE_TIME.value, self._queue_time)
         stats[MetricNames.GENERATION_TOKENS.value] = float(n_gen)
+        if sequence_index in self._drafts:
+            drafted, accepted = self._drafts[sequence_index]
+            stats[MetricNames.SPEC_DRAFT_TOKENS.value] = float(drafted)
+            stats[MetricNames.SPEC_ACCEPTED_TOKENS.value] = float(accepted)
         if sequence_index == 0:
             stats[MetricNames.PROMPT_TOKENS.value] = float(len(self._prompt_token_ids))
         self.metrics[sequence_index] = stats

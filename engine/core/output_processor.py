@@ -150,11 +150,12 @@ class OutputProcessor:
             seq.num_computed_tokens += 1
             accepted += 1
             delta = _merge(delta, self._append(seq, sample))
-        if draft:
-            self.scheduler.drafter.record(len(draft), accepted)
-            if not seq.finished:
-                self.block_manager.trim(seq)
-        return delta
+        if not draft:
+            return delta
+        self.scheduler.drafter.record(len(draft), accepted)
+        if not seq.finished:
+            self.block_manager.trim(seq)
+        return dataclasses.replace(delta, num_draft_tokens=len(draft), num_accepted_draft_tokens=accepted)
 
     def _finish_reason(self, seq: Sequence, token: int, num_output_tokens: int | None = None):
         """(finish_reason, stop_reason) after seq got token, or (None, None) if it goes on."""

@@ -121,6 +121,11 @@ def test_speculation_across_a_hand_off(model_factory):
                     assert [o.token_ids for o in g.outputs] == [o.token_ids for o in ref.outputs]
                     assert [o.text for o in g.outputs] == [o.text for o in ref.outputs]
         assert speculating.engine.stats()["spec_accepted_tokens"] > 0 and other.engine.stats()["spec_draft_tokens"] > 0
+        # each candidate's drafts and accepted tokens are in its metrics
+        outs = speculating.generate(prompts, GREEDY, use_tqdm=False)
+        counts = [(o.metrics[0]["spec_draft_tokens"], o.metrics[0]["spec_accepted_tokens"]) for o in outs]
+        assert all(d >= a for d, a in counts) and sum(a for _, a in counts) > 0
+        assert "spec_draft_tokens" not in plain.generate(prompts[0], GREEDY).metrics[0]
         # drafts that are wrong cost a verification, never a token
         ref = plain.generate(prompts[0], GREEDY, use_tqdm=False)
         dp = speculating.generate(prompts[0], GREEDY,
