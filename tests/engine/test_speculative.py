@@ -3,6 +3,7 @@ prefill, preemption and prefix hits, colocated and disaggregated; rejected draft
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from engine.core.scheduler import Scheduler
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_connector import NullConnector
 from engine.spec.ngram import NgramDrafter, SpeculativeConfig, lookup
+from llmapi.outputs import Resume, ResumedCandidate
 from raypd import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
 from tests.engine.test_engine import run
 from tests.pools import wait_pools_full
@@ -184,3 +186,55 @@ def test_drafts_take_only_blocks_left_free_and_never_preempt():
     # would start a block (position 12): none
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 5), (1, 3), (2, 1)] and not out.preempted
     assert a.draft == [7, 5, 6, 7] and b.draft == [7, 5] and c.draft == [] and bm.num_free_blocks == 0
+
+
+def test_a_seeded_request_resumed_on_a_speculating_engine_keeps_its_tokens(model_factory):
+    """A decode worker lost mid-stream: another speculating engine, given the prompt and the tokens so far,
+    continues each candidate with the tokens the first would have made (batch-invariant engines: the resumed
+    prompt's recomputed KV has the first computation's bits)."""
+    model = looping_model(model_factory, "llama")
+    prompt = repetitive_prompts(1, seed=3)[0]
+    config = EngineConfig(block_size=4, batch_invariant=True, speculative_config=SPEC)
+    want = run(LLMEngine(model, dataclasses.replace(config, speculative_config=None)), {0: [(0, prompt, SEEDED)]})[0]
+    cut = 9
+    resume = Resume(tuple(ResumedCandidate(k, tuple(tokens[:cut])) for k, (tokens, _) in want.items()))
+    engine = LLMEngine(model, config)
+    engine.add_request(0, prompt, SEEDED, resume=resume)
+    got = run(engine, {0: []})[0]
+    assert {k: tokens for k, (tokens, _) in got.items()} == {k: tokens[cut:] for k, (tokens, _) in want.items()}
+    assert engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_sampled_marginals_are_those_of_the_sampler_without_speculation(model_factory):
+    """200 seeds at temperature 0.15, where drafts are often right and often wrong: every seed's tokens are those
+    of decoding without speculation, so every position's marginal over the seeds is the same distribution (an
+    acceptance rule that kept a wrong draft, or redrew after a rejection, would change both)."""
+    model = looping_model(model_factory, "llama")
+    prompt = repetitive_prompts(1, seed=3)[0]
+    params = [dataclasses.replace(SEEDED, n=1, temperature=0.15, seed=s, max_tokens=8) for s in range(200)]
+    got = {}
+    for spec in (None, SPEC):
+        engine = LLMEngine(model, EngineConfig(block_size=4, max_num_seqs=100, speculative_config=spec))
+        out = run(engine, {0: [(i, prompt, p) for i, p in enumerate(params)]})
+        got[spec] = [out[i][0][0] for i in range(len(params))]
+    assert got[SPEC] == got[None]
+    assert len({tuple(t) for t in got[None]}) > 20  # the seeds draw different texts
+    stats = engine.stats()
+    assert stats["spec_accepted_tokens"] > 20 and stats["spec_draft_tokens"] > 2 * stats["spec_accepted_tokens"]
+
+
+def test_speculation_under_tensor_parallelism(model_factory):
+    """Two ranks: the other rank runs the verification steps rank 0 plans (each position a decode query)."""
+    model = looping_model(model_factory, "llama")
+    prompts = repetitive_prompts(3, seed=4)
+    got = {}
+    for spec in (None, SPEC):
+        engine = LLMEngine(model, EngineConfig(block_size=4, tensor_parallel_size=2, num_threads=1,
+                                               speculative_config=spec))
+        try:
+            got[spec] = run(engine, {0: [(i, p, GREEDY) for i, p in enumerate(prompts)]})
+            stats = engine.stats()
+        finally:
+            engine.close()
+    assert {r: c[0][0] for r, c in got[SPEC].items()} == {r: c[0][0] for r, c in got[None].items()}
+    assert stats["spec_accepted_tokens"] > 0
