@@ -153,11 +153,23 @@ class Role(_Strict):
         return options
 
 
-class SpeculativeSettings(_Strict):
-    """Speculative decoding (engine.spec.ngram.SpeculativeConfig), as vLLM's speculative_config."""
+def _checkpoint_dir(value: str) -> str:
+    path = pathlib.Path(value).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"no model directory at {value!r} (looked in {path.absolute()}); "
+                         f"`python -m raypd.tools.tiny {value}` builds the default tiny model")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{value!r} has no config.json: not a Hugging Face checkpoint directory")
+    return str(path.resolve())
 
-    method: Literal["ngram"] = Field("ngram", description="ngram: drafts are what followed the sequence's last "
-                                                          "tokens earlier in its prompt or output (prompt lookup).")
+
+class SpeculativeSettings(_Strict):
+    """Speculative decoding (engine.spec.config.SpeculativeConfig), as vLLM's speculative_config."""
+
+    method: Literal["ngram", "draft_model"] = Field(
+        "ngram", description="ngram: drafts are what followed the sequence's last tokens earlier in its prompt or "
+                             "output (prompt lookup). draft_model: a smaller checkpoint (`model`) drafts them.")
+    model: str | None = Field(None, description="draft_model: the draft checkpoint's directory (same tokenizer).")
     num_speculative_tokens: int = Field(3, ge=1, le=16, description="Most draft tokens verified per sequence and step.")
     prompt_lookup_min: int = Field(2, ge=1, description="Shortest n-gram looked up.")
     prompt_lookup_max: int = Field(4, ge=1, description="Longest n-gram looked up (the longest that matches wins).")
@@ -165,8 +177,15 @@ class SpeculativeSettings(_Strict):
                                                                       "run: a large batch no longer waits on "
                                                                       "reading the weights.")
 
+    @field_validator("model")
+    @classmethod
+    def _draft_dir(cls, value: str | None) -> str | None:
+        return None if value is None else _checkpoint_dir(value)
+
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeSettings:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("`model` (the draft checkpoint) is what method draft_model needs, and only it")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -383,13 +402,7 @@ class RaypdConfig(_Strict):
     @field_validator("model")
     @classmethod
     def _model_dir(cls, value: str) -> str:
-        path = pathlib.Path(value).expanduser()
-        if not path.is_dir():
-            raise ValueError(f"no model directory at {value!r} (looked in {path.absolute()}); "
-                             f"`python -m raypd.tools.tiny {value}` builds the default tiny model")
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{value!r} has no config.json: not a Hugging Face checkpoint directory")
-        return str(path.resolve())
+        return _checkpoint_dir(value)
 
     @field_validator("prefill", "decode", "ingress", "encoder")
     @classmethod
@@ -466,7 +479,7 @@ class RaypdConfig(_Strict):
         """The engine.core.engine.EngineConfig the engines of this deployment are built with; role ("prefill" or
         "decode"): with that role's own KV pool when it sets one."""
         from engine.core.engine import EngineConfig  # imports torch: only where an engine is built, not for the CLI
-        from engine.spec.ngram import SpeculativeConfig
+        from engine.spec.config import SpeculativeConfig
 
         e = self.engine
         pool = {"num_blocks": e.num_blocks} if e.num_blocks else {}

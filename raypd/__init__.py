@@ -4,7 +4,7 @@ MultimodalEncoder loads on first use: it registers its arena with NIXL, which a 
 
 from llmapi import (CompletionOutput, DisaggregatedParams, GenerationResult, GuidedDecodingParams, Logprob,
                     MetricNames, MultimodalEmbeddingHandle, RequestError, RequestOutput, SamplingParams)
-from engine.spec.ngram import SpeculativeConfig
+from engine.spec.config import SpeculativeConfig
 from raypd.llm import LLM
 
 __all__ = [

@@ -12,7 +12,7 @@ from engine.core.engine import EngineConfig, LLMEngine, nixl_connector
 from engine.multimodal.image_inputs import ImageInputs, PreparedPrompt
 from engine.kv.kv_handle import KVHandle
 from engine.core.loop import EngineLoop
-from engine.spec.ngram import SpeculativeConfig
+from engine.spec.config import SpeculativeConfig
 from llmapi.batch import Prompt, as_prompt_list, split_prompt, wait_all
 from postproc.detokenized import DetokenizedGenerationResultBase
 from llmapi.disaggregated_params import DisaggregatedParams

@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.offline_peers import Checkpoint
 from engine.core.engine import EngineConfig, LLMEngine
-from engine.spec.ngram import SpeculativeConfig
+from engine.spec.config import SpeculativeConfig
 from llmapi import SamplingParams
 
 LOOPS = Checkpoint("models/tiny-llama-bench-loops", "llama", "bench", "float32", (("initializer_range", 0.03),))

@@ -24,7 +24,9 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.request import EngineRequest, FirstToken, MultimodalItem
 from engine.model.runner import ModelRunner
 from engine.sampling.sampler import Sampler
-from engine.spec.ngram import NgramDrafter, SpeculativeConfig
+from engine.spec.config import SpeculativeConfig
+from engine.spec.drafter import Drafter
+from engine.spec.ngram import NgramDrafter
 from engine.core.scheduler import Scheduler
 from engine.core.validation import check_images, check_request
 from llmapi.disaggregated_params import DisaggregatedParams, request_type
@@ -128,8 +130,7 @@ class LLMEngine:
         self.connector = connector or NullConnector()
         self.connector.register_kv_cache(self.kv_cache, self.block_manager.generations, self.spec.fingerprint,
                                          self.ranks)
-        spec = config.speculative_config
-        drafter = spec and NgramDrafter(spec, self.spec.max_position_embeddings)
+        drafter = self._drafter(config, layout)
         self.scheduler = Scheduler(self.block_manager, self.connector, config.max_num_batched_tokens,
                                    config.max_num_seqs, drafter)
         # Logits reach the sampler on the CPU whatever the model's device: the fused sampling kernel serves both.
@@ -138,6 +139,18 @@ class LLMEngine:
         self.requests: dict[int, EngineRequest] = {}
         self.output = OutputProcessor(self.spec, self.scheduler, runner, self.connector, self.requests,
                                       Grammars(model_dir, self.spec.vocab_size))
+
+    def _drafter(self, config: EngineConfig, layout: KVLayout) -> Drafter | None:
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramDrafter(spec, self.spec.max_position_embeddings)
+        from engine.spec.draft_model import DraftModelDrafter  # loads a second checkpoint
+
+        capacity = self.block_manager.num_blocks // len(layout.groups) * config.block_size
+        return DraftModelDrafter(spec, self.spec.max_position_embeddings, self.spec.vocab_size, config.block_size,
+                                 capacity, config.dtype, config.device, cpu_kernels())
 
     # ---- the loop ----
     def step(self) -> list[RequestDelta]:

@@ -19,7 +19,7 @@ from engine.kv.block_hash import image_safe_prefix, update_block_hashes
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_connector import ConnectorEvents, ImportPlan, KVConnector
 from engine.core.request import Sequence, SeqStatus
-from engine.spec.ngram import NgramDrafter
+from engine.spec.drafter import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class CacheStats:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, connector: KVConnector, max_num_batched_tokens: int,
-                 max_num_seqs: int, drafter: NgramDrafter | None = None):
+                 max_num_seqs: int, drafter: Drafter | None = None):
         self.block_manager = block_manager
         self.drafter = drafter  # speculative decoding: drafts a decoding sequence's next tokens (None: off)
         self.connector = connector
@@ -72,6 +72,8 @@ class Scheduler:
         """Takes seq out of every queue and frees its blocks. Idempotent."""
         self._dequeue(seq)
         self.block_manager.free(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
         seq.status = SeqStatus.FINISHED
 
     def hold(self, seq: Sequence) -> None:
@@ -166,12 +168,12 @@ class Scheduler:
         """Speculation: each decoding sequence scheduled for one token also computes its drafts, from what the
         step's budget and the free blocks leave once every running sequence has its place (a guess never preempts
         anything). Not a prompt's last chunk: it samples every candidate's first token. Returns the budget left."""
-        for i, (seq, n) in enumerate(out.scheduled):
-            if budget <= 0:
-                break
-            if n != 1 or not seq.request.forked:
-                continue
-            draft = self.drafter.propose(seq, budget)
+        decoding = [i for i, (seq, n) in enumerate(out.scheduled) if n == 1 and seq.request.forked]
+        if budget <= 0 or not decoding:
+            return budget
+        drafts = self.drafter.propose([out.scheduled[i][0] for i in decoding], budget)
+        for i, draft in zip(decoding, drafts):
+            seq = out.scheduled[i][0]
             while draft and not self.block_manager.can_allocate(seq, 1 + len(draft)):
                 draft.pop()  # as many as the blocks it holds and the free ones take
             if draft:
@@ -196,6 +198,8 @@ class Scheduler:
         # blocks stay in the prefix cache until evicted, so it may well find them again). An import is re-read.
         self._dequeue(seq)
         self.block_manager.free(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
         seq.num_computed_tokens, seq.draft = 0, []
         self.add(seq, front=True)
         out.preempted.append(seq)

@@ -6,41 +6,15 @@ computes the sequence's next token and one position per draft token in one forwa
 sampled exactly as without speculation (same logits, same seeded draw), and a draft token is kept while it equals
 the token sampled at its place (engine/core/output_processor.py), so speculation changes how fast tokens come, never
 which: greedy or seeded, n-gram drafts being point guesses, this is the acceptance rule that preserves the target
-distribution, at acceptance p(draft). Drafts depend on the sequence's tokens only, so a resumed or handed-over sequence proposes the same.
+distribution, at acceptance p(draft). Drafts depend on the sequence's tokens only, so a resumed or handed-over
+sequence proposes the same.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import weakref
-
 from engine.core.request import Sequence
-
-METHODS = ("ngram",)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Like vLLM's speculative_config. disable_by_batch_size: no drafts while more sequences than this run (a
-    large batch is no longer bound by reading the weights: verifying drafts then costs more than it saves)."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    disable_by_batch_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not supported; supported: {', '.join(METHODS)}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("speculation needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+from engine.spec.config import SpeculativeConfig
+from engine.spec.drafter import Drafter
 
 
 class NgramIndex:
@@ -78,29 +52,22 @@ def lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     return NgramIndex(n_min, n_max).propose(tokens, k)
 
 
-class NgramDrafter:
-    """Proposes each running sequence's drafts; max_model_len bounds them like the sequence's own tokens."""
+class NgramDrafter(Drafter):
+    """Prompt lookup, from an NgramIndex per sequence."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
-        self.config = config
-        self.max_model_len = max_model_len
-        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
-        self.num_drafted = 0  # draft tokens the target model verified
-        self.num_accepted = 0  # of those, accepted
-        self.num_verify_steps = 0  # sequences' steps that verified at least one draft
+        super().__init__(config, max_model_len)
+        self._indexes: dict[Sequence, NgramIndex] = {}
 
-    def enabled(self, batch_size: int) -> bool:
-        limit = self.config.disable_by_batch_size
-        return limit is None or batch_size <= limit
+    def propose(self, seqs: list[Sequence], budget: int) -> list[list[int]]:
+        out = []
+        for seq in seqs:
+            draft = self._one(seq, self.limit(seq, budget))
+            budget -= len(draft)
+            out.append(draft)
+        return out
 
-    def propose(self, seq: Sequence, budget: int) -> list[int]:
-        """seq's drafts for its next step, at most budget tokens; [] where speculation does not apply: a request
-        whose grammar must see every token, or one with at most one token left to generate."""
-        if seq.grammar is not None:
-            return []
-        params = seq.request.sampling_params
-        room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        k = min(self.config.num_speculative_tokens, budget, room)
+    def _one(self, seq: Sequence, k: int) -> list[int]:
         carried = seq.request.carried_draft
         if carried and seq.num_output_tokens == 1:  # the prefill side drafted after the first token (one candidate)
             return list(carried[:k])
@@ -108,6 +75,9 @@ class NgramDrafter:
         if index is None:
             index = self._indexes[seq] = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         return index.propose(seq.token_ids, k)
+
+    def release(self, seq: Sequence) -> None:
+        self._indexes.pop(seq, None)
 
     def first_drafts(self, seq: Sequence, first_token: int) -> list[int]:
         """A context-only request's drafts after its first token, for the decode side's first step."""
@@ -118,12 +88,3 @@ class NgramDrafter:
         k = min(self.config.num_speculative_tokens, room)
         index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         return index.propose(seq.token_ids + [first_token], k)
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.num_drafted += drafted
-        self.num_accepted += accepted
-        self.num_verify_steps += 1
-
-    def stats(self) -> dict[str, float]:
-        return {"spec_draft_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted,
-                "spec_verify_steps": self.num_verify_steps}

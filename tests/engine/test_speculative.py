@@ -13,7 +13,8 @@ from engine.core.request import EngineRequest, Sequence
 from engine.core.scheduler import Scheduler
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_connector import NullConnector
-from engine.spec.ngram import NgramDrafter, SpeculativeConfig, lookup
+from engine.spec.config import SpeculativeConfig
+from engine.spec.ngram import NgramDrafter, lookup
 from llmapi.outputs import Resume, ResumedCandidate
 from raypd import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
 from tests.engine.test_engine import run
@@ -238,3 +239,89 @@ def test_speculation_under_tensor_parallelism(model_factory):
             engine.close()
     assert {r: c[0][0] for r, c in got[SPEC].items()} == {r: c[0][0] for r, c in got[None].items()}
     assert stats["spec_accepted_tokens"] > 0
+
+
+def noisy_draft(target: str, out) -> SpeculativeConfig:
+    """A draft that agrees with the looping model often, not always: its weights with 5% noise (random-weight
+    models of fewer layers agree with it almost never)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=noise) * p.std() * 0.05)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(target).save_pretrained(out)
+    return SpeculativeConfig(method="draft_model", model=str(out), num_speculative_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def draft_spec(model_factory, tmp_path_factory) -> SpeculativeConfig:
+    return noisy_draft(looping_model(model_factory, "llama"), tmp_path_factory.mktemp("noisy-draft"))
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_draft_model_gives_the_tokens_of_decoding_without_it(model_factory, draft_spec, params):
+    """Chunked prefill, preemption and prefix hits, as for n-gram drafts; the draft's own pool is empty after."""
+    model = looping_model(model_factory, "llama")
+    prompts = repetitive_prompts(6, seed=2)
+    want, _ = _serve(model, None, params, prompts, 48)
+    config = EngineConfig(block_size=4, num_blocks=48, max_num_batched_tokens=16,
+                          speculative_config=draft_spec)
+    engine = LLMEngine(model, config)
+    got = [run(engine, {0: [(i, p, params) for i, p in enumerate(prompts)]}) for _ in range(2)]
+    assert [{r: {k: c[0] for k, c in cs.items()} for r, cs in g.items()} for g in got] == \
+        [{r: {k: c[0] for k, c in cs.items()} for r, cs in w.items()} for w in want]
+    for g, w in zip(got, want):
+        for rid, candidates in w.items():
+            for k, (tokens, logprobs) in candidates.items():
+                for mine, theirs, t in zip(g[rid][k][1], logprobs, tokens):
+                    assert mine[t].logprob == pytest.approx(theirs[t].logprob, abs=1e-4)
+    stats, draft = engine.stats(), engine.scheduler.drafter.block_manager
+    assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"] and stats["num_preemptions"] > 0
+    assert draft.num_free_blocks == draft.num_blocks
+
+
+def test_a_draft_model_on_the_decode_side_of_a_hand_off(model_factory, draft_spec):
+    model = looping_model(model_factory, "llama")
+    prompts = repetitive_prompts(2, seed=6)
+    with LLM(model, block_size=4, kv_transfer="nixl") as plain, \
+            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=draft_spec) as gen:
+        for params in (GREEDY, SEEDED):
+            for prompt in prompts:
+                ref = plain.generate(prompt, params, use_tqdm=False)
+                c = plain.generate(prompt, params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+                dp = c.disaggregated_params
+                dp.request_type = "generation_only"
+                g = gen.generate(prompt, params, disaggregated_params=dp)
+                assert [o.token_ids for o in g.outputs] == [o.token_ids for o in ref.outputs]
+        assert gen.engine.stats()["spec_accepted_tokens"] > 0
+        wait_pools_full(plain, gen)
+
+
+def test_a_draft_model_must_share_the_vocabulary(model_factory):
+    other = model_factory("llama", vocab_size=5000)
+    spec = SpeculativeConfig(method="draft_model", model=other)
+    with pytest.raises(ValueError, match="draft model's vocabulary has 5000 tokens"):
+        LLMEngine(looping_model(model_factory, "llama"), EngineConfig(speculative_config=spec))
+    with pytest.raises(ValueError, match="draft_model needs"):
+        SpeculativeConfig(method="draft_model")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gemma3"])
+def test_a_draft_model_for_moe_latent_attention_and_sliding_windows(model_factory, tmp_path, arch):
+    """Greedy tokens and logprobs of decoding without it, chunked and preempted."""
+    model = looping_model(model_factory, arch)
+    prompts = repetitive_prompts(6, seed=len(arch))
+    pool = FAMILIES[arch][1]
+    want, _ = _serve(model, None, GREEDY, prompts, pool)
+    got, stats = _serve(model, noisy_draft(model, tmp_path / "draft"), GREEDY, prompts, pool)
+    for g, w in zip(got, want):
+        for rid, candidates in w.items():
+            tokens, logprobs = candidates[0]
+            assert g[rid][0][0] == tokens, f"{arch} request {rid}"
+            for mine, theirs, t in zip(g[rid][0][1], logprobs, tokens):
+                assert mine[t].logprob == pytest.approx(theirs[t].logprob, abs=1e-4)
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"] and stats["num_preemptions"] > 0

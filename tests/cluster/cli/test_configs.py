@@ -120,7 +120,11 @@ def test_multinode_config_places_roles_and_autoscales_decode(workdir):
     ({"dtype": "int4"}, "dtype: Input should be"),
     ({"postproc": {"replicas": 2, "kv_cache_bytes": "1GiB"}}, "postproc: kv_cache_bytes: postproc has no KV pool"),
     ({"prefill": {"kv_cache_bytes": 0}}, "prefill: kv_cache_bytes: must be >= 1 byte"),
-    ({"engine": {"speculative_config": {"method": "eagle"}}}, "engine.speculative_config.method: Input should be 'ngram'"),
+    ({"engine": {"speculative_config": {"method": "eagle"}}},
+     "engine.speculative_config.method: Input should be 'ngram' or 'draft_model'"),
+    ({"engine": {"speculative_config": {"method": "draft_model"}}}, "`model` (the draft checkpoint) is what method"),
+    ({"engine": {"speculative_config": {"method": "draft_model", "model": "models/missing"}}},
+     "engine.speculative_config.model: no model directory at 'models/missing'"),
     ({"engine": {"speculative_config": {"prompt_lookup_min": 5, "prompt_lookup_max": 3}}},
      "prompt_lookup_min (5) must be <= prompt_lookup_max (3)"),
 ])

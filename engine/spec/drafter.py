@@ -1,0 +1,54 @@
+"""Drafter: what the scheduler asks of a speculation method (engine/spec/ngram.py, engine/spec/draft_model.py)."""
+
+from __future__ import annotations
+
+import abc
+
+from engine.core.request import Sequence
+from engine.spec.config import SpeculativeConfig
+
+
+class Drafter(abc.ABC):
+    """What the scheduler asks of a speculation method: drafts for the decoding sequences of a step (enabled(),
+    propose()), the drafts a context-only request hands over (first_drafts()), and counters. release(seq): seq
+    left the running batch (finished or preempted); whatever the drafter holds for it is freed."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.num_drafted = 0  # draft tokens the target model verified
+        self.num_accepted = 0  # of those, accepted
+        self.num_verify_steps = 0  # sequences' steps that verified at least one draft
+
+    def enabled(self, batch_size: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or batch_size <= limit
+
+    @abc.abstractmethod
+    def propose(self, seqs: list[Sequence], budget: int) -> list[list[int]]:
+        """Each sequence's drafts for this step (in order; together at most budget tokens)."""
+
+    def first_drafts(self, seq: Sequence, first_token: int) -> list[int]:
+        return []
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def limit(self, seq: Sequence, budget: int) -> int:
+        """How many drafts seq may take: none where speculation does not apply (a grammar must see every token
+        before the next is masked), and no more than its max_tokens and the model's length leave after the next
+        token."""
+        if seq.grammar is not None:
+            return 0
+        params = seq.request.sampling_params
+        room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.config.num_speculative_tokens, budget, room))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        self.num_verify_steps += 1
+
+    def stats(self) -> dict[str, float]:
+        return {"spec_draft_tokens": self.num_drafted, "spec_accepted_tokens": self.num_accepted,
+                "spec_verify_steps": self.num_verify_steps}
