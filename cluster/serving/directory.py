@@ -46,14 +46,16 @@ def _card_json(card: EngineCard | None) -> dict | None:
         return None
     return {"name": card.name, "transport_info": base64.b64encode(card.transport_info).decode(),
             "layout": vars(card.layout), "fingerprint": card.fingerprint,
-            "rank_transport_infos": [base64.b64encode(i).decode() for i in card.rank_transport_infos]}
+            "rank_transport_infos": [base64.b64encode(i).decode() for i in card.rank_transport_infos],
+            "speculation": card.speculation}
 
 
 def _card(data: dict | None) -> EngineCard | None:
     if data is None:
         return None
     return EngineCard(data["name"], base64.b64decode(data["transport_info"]), KVLayout(**data["layout"]),
-                      data["fingerprint"], tuple(base64.b64decode(i) for i in data.get("rank_transport_infos", ())))
+                      data["fingerprint"], tuple(base64.b64decode(i) for i in data.get("rank_transport_infos", ())),
+                      data.get("speculation"))
 
 
 class Directory:

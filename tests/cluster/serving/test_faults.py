@@ -43,7 +43,10 @@ def server(ray_cluster, tiny_llama):
     role = {"replicas": 1, "num_cpus": 0}
     config = parse_config({
         "model": tiny_llama, "served_model_name": "tiny", "dtype": "float32",  # token-exact against the reference
-        "engine": {"block_size": 4, "num_threads": 1, "kv_cache_bytes": "64MiB"},
+        # The engines speculate (n-gram drafts from 1-token matches: on this model mostly rejected, now and then
+        # kept); the reference does not: every fault must leave the tokens of decoding without speculation.
+        "engine": {"block_size": 4, "num_threads": 1, "kv_cache_bytes": "64MiB",
+                   "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}},
         "prefill": role, "decode": role, "postproc": {**role, "replicas": 2}, "ingress": role,
         "limits": {"max_requests_in_flight": 48, "max_tokens_in_flight": 48 * 400},
         "http": {"host": "127.0.0.1", "port": port},
@@ -151,7 +154,10 @@ def test_a_killed_decode_replica_loses_no_stream(server, client, reference):
 
 def test_a_killed_postproc_worker_loses_no_stream(server, client, reference):
     worker = ray.get_actor("raypd-postproc-0", namespace=POSTPROC_NAMESPACE)
+    drafted = _role_totals()["decode"].get("spec_draft_tokens", 0.0)
     _fault_under_streams(client, reference, "SIGKILL a postproc worker", lambda: ray.kill(worker, no_restart=False))
+    _wait(lambda: _role_totals()["decode"].get("spec_draft_tokens", 0.0) > drafted, 10,
+          "the decode replica verified no drafts")
     _healthy_again(server)  # it came back and the lanes found it
     again = client.completions.create(model="tiny", prompt="after the restart", max_tokens=8, temperature=0)
     assert again.choices[0].finish_reason == "length"
