@@ -34,14 +34,15 @@ class Drafter(abc.ABC):
     def release(self, seq: Sequence) -> None:
         pass
 
-    def limit(self, seq: Sequence, budget: int) -> int:
-        """How many drafts seq may take: none where speculation does not apply (a grammar must see every token
-        before the next is masked), and no more than its max_tokens and the model's length leave after the next
-        token."""
+    def limit(self, seq: Sequence, budget: int, appended: int = 0) -> int:
+        """How many drafts seq may take (appended: tokens it has beyond seq.token_ids, e.g. a first token not yet
+        appended): none where speculation does not apply (a grammar must see every token before the next is
+        masked), and no more than its max_tokens and the model's length leave after the next token."""
         if seq.grammar is not None:
             return 0
         params = seq.request.sampling_params
-        room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        outputs, tokens = seq.num_output_tokens + appended, seq.num_tokens + appended
+        room = min(params.max_tokens - outputs, self.max_model_len - tokens) - 1
         return max(0, min(self.config.num_speculative_tokens, budget, room))
 
     def record(self, drafted: int, accepted: int) -> None:

@@ -81,10 +81,6 @@ class NgramDrafter(Drafter):
 
     def first_drafts(self, seq: Sequence, first_token: int) -> list[int]:
         """A context-only request's drafts after its first token, for the decode side's first step."""
-        if seq.grammar is not None:
-            return []
-        params = seq.request.sampling_params
-        room = min(params.max_tokens - 1, self.max_model_len - seq.num_tokens - 1) - 1
-        k = min(self.config.num_speculative_tokens, room)
+        k = self.limit(seq, self.config.num_speculative_tokens, appended=1)
         index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         return index.propose(seq.token_ids + [first_token], k)
