@@ -479,7 +479,6 @@ class RaypdConfig(_Strict):
         """The engine.core.engine.EngineConfig the engines of this deployment are built with; role ("prefill" or
         "decode"): with that role's own KV pool when it sets one."""
         from engine.core.engine import EngineConfig  # imports torch: only where an engine is built, not for the CLI
-        from engine.spec.config import SpeculativeConfig
 
         e = self.engine
         pool = {"num_blocks": e.num_blocks} if e.num_blocks else {}
@@ -493,9 +492,19 @@ class RaypdConfig(_Strict):
                             device=e.device, num_threads=e.num_threads, seed=e.seed,
                             enable_prefix_caching=e.enable_prefix_caching, kv_lease_s=e.kv_lease_s,
                             kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key,
-                            batch_invariant=e.batch_invariant, speculative_config=e.speculative_config and
-                            SpeculativeConfig(**e.speculative_config.model_dump()),
+                            batch_invariant=e.batch_invariant, speculative_config=_engine_speculation(e.speculative_config, role),
                             tensor_parallel_size=getattr(self, role).tensor_parallel_size if role else 1, **pool)
+
+
+def _engine_speculation(spec: SpeculativeSettings | None, role: str | None) -> Any:
+    """The engine's SpeculativeConfig: a prefill engine keeps n-gram speculation (its drafts after the first token
+    travel with the hand-off) but loads no draft model (it never decodes: the decode side's draft computes the
+    prompt itself)."""
+    from engine.spec.config import SpeculativeConfig
+
+    if spec is None or (role == "prefill" and spec.method == "draft_model"):
+        return None
+    return SpeculativeConfig(**spec.model_dump())
 
 
 def parse_config(data: Any, source: str = "config") -> RaypdConfig:
