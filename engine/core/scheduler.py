@@ -113,6 +113,7 @@ class Scheduler:
             if problem is None:
                 seq.num_computed_tokens = seq.num_tokens
                 self.block_manager.register(seq, seq.num_computed_tokens)
+                seq.request.kv_source = None  # read, and its lease released: a preemption from here recomputes
                 self.add_running(seq)
             elif not seq.request.can_recompute:
                 self.block_manager.free(seq)

@@ -288,3 +288,47 @@ def _blocks_decode_needs(model_dir: str, prompt_len: int, block_size: int, cache
     first = {"full_attention": 0,
              "sliding_attention": max(0, prompt_len - (config.get("sliding_window") or 0) + 1) // block_size}
     return sum(end - max(cached, first[t]) for t in types)
+
+
+def test_a_burst_of_hand_offs_larger_than_the_pool_completes_without_re_reading(tiny_llama):
+    """Six 40-token hand-offs (60 blocks) to a decode engine of 40 blocks already decoding two streams: imports wait
+    for blocks, every request gets its colocated tokens, and a sequence preempted after its import recomputes its
+    prompt (its lease was released once read): it never asks the prefill side for blocks again."""
+    from engine.core.engine import EngineConfig, LLMEngine, nixl_connector
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ctx_config, gen_config = EngineConfig(block_size=4), EngineConfig(block_size=4, num_blocks=40)
+    ctx = LLMEngine(tiny_llama, ctx_config, nixl_connector(ctx_config))
+    gen = LLMEngine(tiny_llama, gen_config, nixl_connector(gen_config))
+    try:
+        streams = {1000 + i: [10 + (5 * i + j) % 3000 for j in range(12)] for i in range(2)}
+        prompts = {i: [10 + (7 * i + 3 * j) % 3000 for j in range(40)] for i in range(6)}
+        expected, handoffs = {}, {}
+        long = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+        for rid, p in {**streams, **prompts}.items():
+            ctx.add_request(rid + 5000, p, long if rid in streams else params)
+            expected[rid] = [t for r in _drive(ctx, rid + 5000) for d in r.deltas for t in d.token_ids]
+        for rid, p in prompts.items():
+            ctx.add_request(rid, p, params, DisaggregatedParams("context_only"))
+            handoffs[rid] = _drive(ctx, rid)[-1].handoff
+        for rid, p in streams.items():
+            gen.add_request(rid, p, long)
+        got = {rid: [] for rid in expected}
+        for step in range(2000):
+            if step == 5:  # the streams are decoding: the burst arrives
+                for rid, p in prompts.items():
+                    gen.add_request(rid, p, params, handoffs[rid].generation_params())
+            ctx.step()
+            for rsp in gen.step():
+                got[rsp.request_id] += [t for d in rsp.deltas for t in d.token_ids]
+            if step > 5 and not gen.has_unfinished_requests():
+                break
+            time.sleep(0.002)
+        assert got == expected
+        stats = gen.stats()
+        assert stats["num_preemptions"] > 0 and stats["num_reprefills"] == 0
+        _drive_until_free(ctx)
+        assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
+    finally:
+        ctx.close()
+        gen.close()
