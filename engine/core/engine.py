@@ -314,6 +314,8 @@ class LLMEngine:
                 "prefix_cache_query_tokens": cache.query_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_waiting_for_kv": len(self.scheduler.waiting_for_kv), "num_preemptions": self.scheduler.num_preemptions,
+                # hand-offs queued until the pool holds their blocks (their read has not started)
+                "num_waiting_imports": sum(s.request.kv_source is not None for s in self.scheduler.waiting),
                 "num_reprefills": self.scheduler.num_reprefills, **self._rank_stats(), **kv.extra,
                 **(self.scheduler.drafter.stats() if self.scheduler.drafter else {})}
 

@@ -313,7 +313,7 @@ def test_a_burst_of_hand_offs_larger_than_the_pool_completes_without_re_reading(
             handoffs[rid] = _drive(ctx, rid)[-1].handoff
         for rid, p in streams.items():
             gen.add_request(rid, p, long)
-        got = {rid: [] for rid in expected}
+        got, queued = {rid: [] for rid in expected}, 0
         for step in range(2000):
             if step == 5:  # the streams are decoding: the burst arrives
                 for rid, p in prompts.items():
@@ -321,12 +321,14 @@ def test_a_burst_of_hand_offs_larger_than_the_pool_completes_without_re_reading(
             ctx.step()
             for rsp in gen.step():
                 got[rsp.request_id] += [t for d in rsp.deltas for t in d.token_ids]
+            queued = max(queued, gen.stats()["num_waiting_imports"])
             if step > 5 and not gen.has_unfinished_requests():
                 break
             time.sleep(0.002)
         assert got == expected
         stats = gen.stats()
         assert stats["num_preemptions"] > 0 and stats["num_reprefills"] == 0
+        assert queued > 0 and stats["num_waiting_imports"] == 0  # the queue's depth, as /metrics shows it
         _drive_until_free(ctx)
         assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
     finally:
