@@ -327,3 +327,22 @@ def test_a_draft_model_for_every_family(model_factory, tmp_path, arch):
             for mine, theirs, t in zip(g[rid][0][1], logprobs, tokens):
                 assert mine[t].logprob == pytest.approx(theirs[t].logprob, abs=1e-4)
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"] and stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("arch", [a for a in FAMILIES if a != "llama"])
+def test_every_family_speculates_on_the_decode_side_of_a_hand_off(model_factory, tmp_path, arch):
+    """n-gram and draft-model drafts after a NIXL hand-off: the greedy tokens of colocated decoding without them."""
+    model = looping_model(model_factory, arch)
+    prompt = repetitive_prompts(1, seed=len(arch))[0]
+    draft = noisy_draft(model, tmp_path / "draft")
+    with LLM(model, block_size=4, kv_transfer="nixl") as plain, \
+            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=SPEC) as ngram, \
+            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=draft) as drafting:
+        ref = plain.generate(prompt, GREEDY, use_tqdm=False).outputs[0].token_ids
+        for gen in (ngram, drafting):
+            dp = plain.generate(prompt, GREEDY,
+                                disaggregated_params=DisaggregatedParams(request_type="context_only")).disaggregated_params
+            dp.request_type = "generation_only"
+            assert gen.generate(prompt, GREEDY, disaggregated_params=dp).outputs[0].token_ids == ref, arch
+            assert gen.engine.stats()["spec_draft_tokens"] > 0
+        wait_pools_full(plain, ngram, drafting)
