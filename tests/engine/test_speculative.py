@@ -20,6 +20,7 @@ from raypd import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
 from tests.engine.test_engine import run
 from tests.pools import wait_pools_full
 
+POOL = 8 << 20  # KV bytes per engine (2048 tokens of the tiny llama): the suite runs in one process
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
 SEEDED = SamplingParams(max_tokens=32, temperature=0.1, n=2, seed=7, ignore_eos=True)
@@ -90,7 +91,8 @@ def test_speculation_gives_the_tokens_and_logprobs_of_decoding_without_it(model_
 def test_no_drafts_above_the_batch_size_limit_or_for_a_grammar(model_factory):
     model = looping_model(model_factory, "llama")
     prompts = repetitive_prompts(3)
-    engine = LLMEngine(model, EngineConfig(block_size=4, speculative_config=SpeculativeConfig(disable_by_batch_size=2)))
+    engine = LLMEngine(model, EngineConfig(block_size=4, kv_cache_bytes=POOL,
+                                           speculative_config=SpeculativeConfig(disable_by_batch_size=2)))
     run(engine, {0: [(i, p, GREEDY) for i, p in enumerate(prompts)]})
     assert engine.stats()["spec_draft_tokens"] == 0  # three run at once: over the limit
     run(engine, {0: [(9, prompts[0], GREEDY)]})
@@ -109,9 +111,9 @@ def test_speculation_across_a_hand_off(model_factory):
     model = looping_model(model_factory, "llama")
     prompts = repetitive_prompts(2, seed=5)
     spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    with LLM(model, block_size=4, kv_transfer="nixl") as plain, \
-            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=spec) as speculating, \
-            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=spec) as other:
+    with LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl") as plain, \
+            LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl", speculative_config=spec) as speculating, \
+            LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl", speculative_config=spec) as other:
         for params in (GREEDY, SEEDED):
             for prompt in prompts:
                 ref = plain.generate(prompt, params, use_tqdm=False)
@@ -197,7 +199,7 @@ def test_a_seeded_request_resumed_on_a_speculating_engine_keeps_its_tokens(model
     prompt's recomputed KV has the first computation's bits)."""
     model = looping_model(model_factory, "llama")
     prompt = repetitive_prompts(1, seed=3)[0]
-    config = EngineConfig(block_size=4, batch_invariant=True, speculative_config=SPEC)
+    config = EngineConfig(block_size=4, kv_cache_bytes=POOL, batch_invariant=True, speculative_config=SPEC)
     want = run(LLMEngine(model, dataclasses.replace(config, speculative_config=None)), {0: [(0, prompt, SEEDED)]})[0]
     cut = 9
     resume = Resume(tuple(ResumedCandidate(k, tuple(tokens[:cut])) for k, (tokens, _) in want.items()))
@@ -217,7 +219,8 @@ def test_sampled_marginals_are_those_of_the_sampler_without_speculation(model_fa
     params = [dataclasses.replace(SEEDED, n=1, temperature=0.15, seed=s, max_tokens=8) for s in range(200)]
     got = {}
     for spec in (None, SPEC):
-        engine = LLMEngine(model, EngineConfig(block_size=4, max_num_seqs=100, speculative_config=spec))
+        engine = LLMEngine(model, EngineConfig(block_size=4, kv_cache_bytes=POOL, max_num_seqs=100,
+                                               speculative_config=spec))
         out = run(engine, {0: [(i, prompt, p) for i, p in enumerate(params)]})
         got[spec] = [out[i][0][0] for i in range(len(params))]
     assert got[SPEC] == got[None]
@@ -232,7 +235,7 @@ def test_speculation_under_tensor_parallelism(model_factory):
     prompts = repetitive_prompts(3, seed=4)
     got = {}
     for spec in (None, SPEC):
-        engine = LLMEngine(model, EngineConfig(block_size=4, tensor_parallel_size=2, num_threads=1,
+        engine = LLMEngine(model, EngineConfig(block_size=4, kv_cache_bytes=POOL, tensor_parallel_size=2, num_threads=1,
                                                speculative_config=spec))
         try:
             got[spec] = run(engine, {0: [(i, p, GREEDY) for i, p in enumerate(prompts)]})
@@ -289,8 +292,8 @@ def test_a_draft_model_gives_the_tokens_of_decoding_without_it(model_factory, dr
 def test_a_draft_model_on_the_decode_side_of_a_hand_off(model_factory, draft_spec):
     model = looping_model(model_factory, "llama")
     prompts = repetitive_prompts(2, seed=6)
-    with LLM(model, block_size=4, kv_transfer="nixl") as plain, \
-            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=draft_spec) as gen:
+    with LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl") as plain, \
+            LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl", speculative_config=draft_spec) as gen:
         for params in (GREEDY, SEEDED):
             for prompt in prompts:
                 ref = plain.generate(prompt, params, use_tqdm=False)
@@ -307,7 +310,7 @@ def test_a_draft_model_must_share_the_vocabulary(model_factory):
     other = model_factory("llama", vocab_size=5000)
     spec = SpeculativeConfig(method="draft_model", model=other)
     with pytest.raises(ValueError, match="draft model's vocabulary has 5000 tokens"):
-        LLMEngine(looping_model(model_factory, "llama"), EngineConfig(speculative_config=spec))
+        LLMEngine(looping_model(model_factory, "llama"), EngineConfig(kv_cache_bytes=POOL, speculative_config=spec))
     with pytest.raises(ValueError, match="draft_model needs"):
         SpeculativeConfig(method="draft_model")
 
@@ -335,9 +338,9 @@ def test_every_family_speculates_on_the_decode_side_of_a_hand_off(model_factory,
     model = looping_model(model_factory, arch)
     prompt = repetitive_prompts(1, seed=len(arch))[0]
     draft = noisy_draft(model, tmp_path / "draft")
-    with LLM(model, block_size=4, kv_transfer="nixl") as plain, \
-            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=SPEC) as ngram, \
-            LLM(model, block_size=4, kv_transfer="nixl", speculative_config=draft) as drafting:
+    with LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl") as plain, \
+            LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl", speculative_config=SPEC) as ngram, \
+            LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl", speculative_config=draft) as drafting:
         ref = plain.generate(prompt, GREEDY, use_tqdm=False).outputs[0].token_ids
         for gen in (ngram, drafting):
             dp = plain.generate(prompt, GREEDY,
