@@ -35,6 +35,7 @@ from llmapi.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16

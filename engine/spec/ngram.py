@@ -1,12 +1,12 @@
 """Speculative decoding's drafts: n-gram prompt lookup (vLLM's `method: ngram`).
 
 A running sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are looked up earlier in its
-own tokens (prompt and output); the tokens that followed the latest match are the draft. The target model then
-computes the sequence's next token and one position per draft token in one forward; each position's token is
-sampled exactly as without speculation (same logits, same seeded draw), and a draft token is kept while it equals
-the token sampled at its place (engine/core/output_processor.py), so speculation changes how fast tokens come, never
-which: greedy or seeded, n-gram drafts being point guesses, this is the acceptance rule that preserves the target
-distribution, at acceptance p(draft). Drafts depend on the sequence's tokens only, so a resumed or handed-over
+own tokens (prompt and output); the tokens that followed a match are the draft (the latest match with enough tokens
+after it, NgramIndex.propose). The target model then computes the sequence's next token and one position per draft
+token in one forward; each position's token is sampled exactly as without speculation (same logits, same seeded
+draw), and a draft token is kept while it equals the token sampled at its place (engine/core/output_processor.py),
+so speculation changes how fast tokens come, never which: greedy or seeded, n-gram drafts being point guesses, this
+is the acceptance rule that preserves the target distribution, at acceptance p(draft). Drafts depend on the sequence's tokens only, so a resumed or handed-over
 sequence proposes the same.
 """
 
