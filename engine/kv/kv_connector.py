@@ -37,12 +37,15 @@ class EngineCard:
 
 @dataclass(frozen=True)
 class ImportPlan:
-    """Read these remote blocks of handle's engine into these local blocks of seq (pairwise, in order)."""
+    """Read these remote blocks of handle's engine into these local blocks of seq (pairwise, in order), and these
+    blocks of its draft pool (handle.draft) into these of ours (none: the draft computes the prompt itself)."""
 
     seq: Sequence
     handle: KVHandle
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
+    draft_local: tuple[int, ...] = ()
+    draft_remote: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ class KVConnector(ABC):
         """Called once by the engine that owns the arena (rank 0's), before anything else; ranks: the engine's
         other tensor-parallel ranks (their pools exposed, when per_rank_kv). Mutates the connector only."""
 
+    def register_draft_cache(self, kv_cache: KVCache, generations: torch.Tensor, fingerprint: str) -> None:
+        """Called once, after register_kv_cache, by an engine whose speculation has a draft model with a pool of its
+        own (rank 0's): held leases then name the draft's blocks too, and imports may read a peer's. Mutates the
+        connector only."""
+
     @abstractmethod
     def card(self) -> EngineCard:
         """How peers reach this engine's KV. Mutates nothing (may start the transport on first use)."""
@@ -89,11 +97,13 @@ class KVConnector(ABC):
 
     @abstractmethod
     def hold(self, request_id: int, block_ids: list[int], num_tokens: int, first_logprobs: tuple,
-             first_top_logprobs: tuple, mm_items: tuple = (), group_starts: list[int] | None = None) -> bytes:
+             first_top_logprobs: tuple, mm_items: tuple = (), group_starts: list[int] | None = None,
+             draft: tuple[list[int], list[int]] | None = None) -> bytes:
         """Starts a lease on a finished context-only request's prompt blocks (the scheduler keeps them allocated)
         and returns the signed handle naming them (opaque_state), which carries the prompt's images (mm_items:
         engine.core.request.MultimodalItem). block_ids: each layer group's after the other, group g's from logical
-        block group_starts[g] (None: one group, from 0). Mutates the lease table."""
+        block group_starts[g] (None: one group, from 0). draft: (block ids, group starts) of the prompt's KV in the
+        draft pool, held under the same lease. Mutates the lease table."""
 
     @abstractmethod
     def end_lease(self, request_id: int) -> bool:
@@ -142,7 +152,7 @@ class NullConnector(KVConnector):
         raise ValueError(_NO_KV_TRANSFER)
 
     def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs, mm_items=(),
-             group_starts=None) -> bytes:
+             group_starts=None, draft=None) -> bytes:
         raise ValueError(_NO_KV_TRANSFER)
 
     def end_lease(self, request_id: int) -> bool:

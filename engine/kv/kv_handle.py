@@ -6,6 +6,14 @@ forged or altered handle is refused before anything in it is used.
 The release message a reader sends when it has the blocks (or will never read them) names the lease by its random
 id and is signed under the same key: a forged or foreign one fails the check, and a replayed one names a lease that
 no longer exists. Either way it frees nothing.
+
+With a draft model (speculative decoding, engine/spec/draft_model.py), the handle also names the draft's KV of the
+same prompt (`DraftKV`): blocks of the prefill engine's draft pool, held under the same lease and freed with the
+target's, signed with the rest. The draft pool stays a pool of its own, exposed as a second NIXL region (an agent of
+its own, engine/kv/nixl_connector.py), rather than extra layers in the target's blocks: a draft has its own layers,
+KV heads and head size, so one block cannot hold both without a byte arena of two shapes, and a shared block id would
+make every prefix-cache hit and every target-only computation promise draft KV it does not hold. A reader whose draft
+differs (or that has none) ignores the part; its draft then computes the prompt itself.
 """
 
 from __future__ import annotations
@@ -32,6 +40,21 @@ class InvalidHandle(ValueError):
 
 
 @dataclass(frozen=True)
+class DraftKV:
+    """The draft model's KV of the handle's prompt: its blocks in the prefill engine's draft pool, which its own
+    transport (agent) exposes. Read whole (the draft runs on one rank), validated by generation numbers like the
+    target's blocks."""
+
+    agent: str
+    transport_info: bytes
+    layout: KVLayout
+    fingerprint: str  # the draft checkpoint's
+    block_ids: tuple[int, ...]
+    generations: tuple[int, ...]
+    group_starts: tuple[int, ...] = ()  # as KVHandle.group_starts, for the draft's layer groups
+
+
+@dataclass(frozen=True)
 class KVHandle:
     ctx_request_id: int
     agent: str  # the prefill engine's transport name (its rank 0's)
@@ -52,22 +75,17 @@ class KVHandle:
     # Per layer group: the logical block its part of block_ids starts at (a window group's blocks behind the window
     # were released); block_ids lists the groups' blocks one group after another. () for one group from block 0.
     group_starts: tuple[int, ...] = ()
+    draft: DraftKV | None = None  # the draft model's KV of the prompt, if the prefill engine drafted with one
 
     def group_tables(self) -> list[tuple[int, tuple[int, ...]]]:
         """Per layer group: (first logical block, its blocks up to the prompt's last). Raises InvalidHandle when the
         lists do not add up to the layout's groups."""
-        groups = len(self.layout.groups)
-        starts = self.group_starts or (0,) * groups
-        end = -(-self.num_tokens // self.layout.block_size)
-        if len(starts) != groups or any(not 0 <= s <= end for s in starts) or \
-                sum(end - s for s in starts) != len(self.block_ids):
-            raise InvalidHandle(f"opaque_state lists {len(self.block_ids)} blocks from {list(starts)} for "
-                                f"{groups} layer group(s) of {end} blocks")
-        tables, first = [], 0
-        for start in starts:
-            tables.append((start, self.block_ids[first:first + end - start]))
-            first += end - start
-        return tables
+        return _group_tables(self.layout, self.num_tokens, self.group_starts, self.block_ids)
+
+    def draft_tables(self) -> list[tuple[int, tuple[int, ...]]]:
+        """group_tables() of the draft's blocks ([] without a draft part)."""
+        d = self.draft
+        return [] if d is None else _group_tables(d.layout, self.num_tokens, d.group_starts, d.block_ids)
 
     @property
     def transports(self) -> tuple[bytes, ...]:
@@ -78,6 +96,8 @@ class KVHandle:
         body = dataclasses.asdict(self)
         body["transport_info"] = base64.b64encode(self.transport_info).decode()
         body["rank_transport_infos"] = [base64.b64encode(i).decode() for i in self.rank_transport_infos]
+        if self.draft is not None:
+            body["draft"]["transport_info"] = base64.b64encode(self.draft.transport_info).decode()
         return sign_json(body, key, _CONTEXT)
 
     @classmethod
@@ -92,9 +112,38 @@ class KVHandle:
         body["mm_items"] = tuple((tuple(h), offset, length) for h, offset, length in body.get("mm_items", ()))
         body["rank_transport_infos"] = tuple(base64.b64decode(i) for i in body.get("rank_transport_infos", ()))
         body["group_starts"] = tuple(body.get("group_starts", ()))
+        body["draft"] = _open_draft(body.get("draft"))
         handle = cls(**body)
         handle.group_tables()  # refuses lists that do not fit the layout's groups
+        handle.draft_tables()
         return handle
+
+
+def _open_draft(body: dict | None) -> DraftKV | None:
+    if body is None:
+        return None
+    try:
+        return DraftKV(body["agent"], base64.b64decode(body["transport_info"]), KVLayout(**body["layout"]),
+                       body["fingerprint"], tuple(body["block_ids"]), tuple(body["generations"]),
+                       tuple(body.get("group_starts", ())))
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidHandle(f"opaque_state's draft part is malformed: {e}") from None
+
+
+def _group_tables(layout: KVLayout, num_tokens: int, group_starts: tuple[int, ...], block_ids: tuple[int, ...]
+                  ) -> list[tuple[int, tuple[int, ...]]]:
+    groups = len(layout.groups)
+    starts = group_starts or (0,) * groups
+    end = -(-num_tokens // layout.block_size)
+    if len(starts) != groups or any(not 0 <= s <= end for s in starts) or \
+            sum(end - s for s in starts) != len(block_ids):
+        raise InvalidHandle(f"opaque_state lists {len(block_ids)} blocks from {list(starts)} for "
+                            f"{groups} layer group(s) of {end} blocks")
+    tables, first = [], 0
+    for start in starts:
+        tables.append((start, block_ids[first:first + end - start]))
+        first += end - start
+    return tables
 
 
 def sign_json(body: dict, key: bytes | None, context: bytes) -> bytes:

@@ -6,6 +6,10 @@ own, then reads the blocks' generation numbers, and the release rides on that se
 the block was freed and reused during the read, so the request re-prefills locally instead of decoding from foreign KV.
 Expired leases, dead peers and transfer timeouts take the same way out: the decode side recomputes the prompt, and the
 request still completes with the same tokens.
+
+A draft model's pool (speculative decoding) is exposed by a second transport, an agent of its own: a handle's draft
+blocks are read whole into the reader's draft pool alongside the target's, their generation numbers checked the same
+way, before the release (which frees both) is sent. A failed draft read fails the import like a failed target read.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import torch
 from engine.kv.kv_cache import KVCache
 from engine.kv.head_reads import CancelRead, RankImport, ReadOrder
 from engine.kv.kv_connector import ConnectorEvents, ConnectorStats, EngineCard, ImportPlan, KVConnector
-from engine.kv.kv_handle import KVHandle, compatibility_problems, open_release, release_message
-from engine.kv.kv_transfer import GENERATIONS, NixlTransport, ReadHandle, TransferError
+from engine.kv.kv_handle import DraftKV, KVHandle, compatibility_problems, open_release, release_message
+from engine.kv.kv_transfer import BLOCKS, GENERATIONS, NixlTransport, ReadHandle, TransferError
 from engine.core.request import Sequence
 from engine.parallel.ranks import RankGroup
 
@@ -104,6 +108,7 @@ class KVImport:
     error: str | None = None  # why a rank's read failed
     bytes_read: int = 0
     read: ReadHandle | None = None  # the generations' read
+    draft_reads: list[ReadHandle] = field(default_factory=list)  # the draft pool's blocks, then its generations
     stage: str = "blocks"  # then "generations"
 
 
@@ -123,6 +128,7 @@ class NixlConnector(KVConnector):
         self._peers: set[str] = set()
         self._stats = ConnectorStats()
         self.transport: NixlTransport | None = None
+        self.draft_transport: NixlTransport | None = None  # the draft model's pool, when the engine has one
 
     def register_kv_cache(self, kv_cache: KVCache, generations: torch.Tensor, fingerprint: str,
                           ranks: RankGroup | None = None) -> None:
@@ -133,6 +139,10 @@ class NixlConnector(KVConnector):
             raise ValueError(f"{self._layout.tp_size} tensor-parallel ranks but {len(self._rank_infos)} other ranks "
                              "expose their KV pools")
         self.transport = NixlTransport(f"raypd-{uuid.uuid4().hex[:12]}", kv_cache, generations=generations)
+
+    def register_draft_cache(self, kv_cache: KVCache, generations: torch.Tensor, fingerprint: str) -> None:
+        self._draft = (kv_cache.layout, fingerprint, generations)
+        self.draft_transport = NixlTransport(f"{self.transport.name}-draft", kv_cache, generations=generations)
 
     # ---- meeting peers ----
     def card(self) -> EngineCard:
@@ -165,7 +175,7 @@ class NixlConnector(KVConnector):
 
     # ---- prefill side ----
     def hold(self, request_id, block_ids, num_tokens, first_logprobs, first_top_logprobs, mm_items=(),
-             group_starts=None) -> bytes:
+             group_starts=None, draft=None) -> bytes:
         lease_id, deadline = self.leases.hold(request_id)
         handle = KVHandle(
             ctx_request_id=request_id, agent=self.transport.name, transport_info=self.transport.metadata(),
@@ -174,8 +184,15 @@ class NixlConnector(KVConnector):
             first_logprobs=tuple(first_logprobs), first_top_logprobs=tuple(first_top_logprobs),
             mm_items=tuple((tuple(i.content_hash), i.offset, i.length) for i in mm_items),
             rank_transport_infos=self._rank_infos, group_starts=tuple(group_starts or ()),
+            draft=self._draft_kv(*draft) if draft is not None and self.draft_transport is not None else None,
         )
         return handle.sign(self._key)
+
+    def _draft_kv(self, block_ids: list[int], group_starts: list[int]) -> DraftKV:
+        layout, fingerprint, generations = self._draft
+        t = self.draft_transport
+        return DraftKV(t.name, t.metadata(), layout, fingerprint, tuple(block_ids),
+                       tuple(generations[list(block_ids)].tolist()), tuple(group_starts))
 
     def end_lease(self, request_id: int) -> bool:
         return self.leases.end(request_id)
@@ -198,6 +215,8 @@ class NixlConnector(KVConnector):
                 return
             if handle.agent not in self._peers:
                 self._meet_owner(handle)  # again: the peer may be reachable now
+            if plan.draft_local:
+                imp.draft_reads.append(self._start_draft_read(plan, BLOCKS))
             order = ReadOrder(imp.key, handle.layout, handle.transports, plan.remote_blocks, plan.local_blocks)
             imp.reads = RankImport(self.transport, self._layout, 0, order)
             if self._ranks is not None:
@@ -208,6 +227,14 @@ class NixlConnector(KVConnector):
             self._forget(imp)
             self._failed.append((plan.seq, str(e)))
 
+    def _start_draft_read(self, plan: ImportPlan, region: str) -> ReadHandle:
+        """Reads the handle's draft blocks (or their generation numbers) into our draft pool (or its scratch)."""
+        if self.draft_transport is None:
+            raise ValueError("this engine has no draft pool to read a draft's KV into")
+        draft = plan.handle.draft
+        self.draft_transport.connect(draft.agent, draft.transport_info)  # idempotent
+        return self.draft_transport.start_read(draft.agent, plan.draft_remote, plan.draft_local, b"", region=region)
+
     def _forget(self, imp: KVImport) -> None:
         """Stops every read of the import still running, on every rank, and drops it."""
         self._imports.pop(imp.plan.seq, None)
@@ -216,6 +243,8 @@ class NixlConnector(KVConnector):
             imp.reads.cancel()
         if imp.read is not None:
             self.transport.cancel(imp.read)
+        for read in imp.draft_reads:
+            self.draft_transport.cancel(read)
         if imp.waiting:
             with self._ranks.guard():
                 self._ranks.send(CancelRead(imp.key))
@@ -272,11 +301,20 @@ class NixlConnector(KVConnector):
             return imp.error
         try:
             if imp.stage == "blocks":
-                if not imp.reads.poll() or imp.waiting:
+                if not imp.reads.poll() or imp.waiting or not self._draft_read(imp):
                     return False
                 imp.bytes_read += imp.reads.bytes_read
-                # Every rank has its heads: now the blocks' generations, and the release rides on that read.
+                # Every rank has its heads: now the blocks' generations, the draft's first (the release that rides
+                # on the target's frees both).
+                imp.stage = "draft generations" if imp.draft_reads else "generations"
+                if imp.draft_reads:
+                    imp.bytes_read += len(imp.plan.draft_local) * imp.plan.handle.draft.layout.block_bytes
+                    imp.draft_reads.append(self._start_draft_read(imp.plan, GENERATIONS))
+            if imp.stage == "draft generations":
+                if not self._draft_read(imp):
+                    return False
                 imp.stage = "generations"
+            if imp.read is None:
                 p = imp.plan
                 imp.read = self.transport.start_read(handle.agent, p.remote_blocks, p.local_blocks,
                                                      release_message(handle.lease_id, self._key), region=GENERATIONS)
@@ -286,17 +324,28 @@ class NixlConnector(KVConnector):
             return str(e)
         return self._validate(imp)
 
+    def _draft_read(self, imp: KVImport) -> bool:
+        """Whether the draft's latest read (if any) has completed."""
+        return not imp.draft_reads or self.draft_transport.poll(imp.draft_reads[-1])
+
     def _validate(self, imp: KVImport) -> str | None:
         p = imp.plan
         seen = self.transport.generation_scratch[list(p.local_blocks)].tolist()
         made = dict(zip(p.handle.block_ids, p.handle.generations))  # each block's generation when the lease began
         expected = [made[b] for b in p.remote_blocks]
-        if seen != expected:
+        if seen != expected or not self._draft_valid(p):
             return (f"KV blocks of context request {p.handle.ctx_request_id} were reused on {p.handle.agent!r} "
                     "while being read (lease ended)")
         self._stats.kv_bytes_read += imp.bytes_read
         self._stats.last_import_s = time.monotonic() - imp.started
         return None
+
+    def _draft_valid(self, p: ImportPlan) -> bool:
+        if not p.draft_local:
+            return True
+        made = dict(zip(p.handle.draft.block_ids, p.handle.draft.generations))
+        seen = self.draft_transport.generation_scratch[list(p.draft_local)].tolist()
+        return seen == [made[b] for b in p.draft_remote]
 
     def stats(self) -> ConnectorStats:
         s = self._stats
@@ -306,3 +355,5 @@ class NixlConnector(KVConnector):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+        if self.draft_transport is not None:
+            self.draft_transport.close()
