@@ -150,8 +150,11 @@ class LLMEngine:
         from engine.spec.draft_model import DraftModelDrafter  # loads a second checkpoint
 
         capacity = self.block_manager.num_blocks // len(layout.groups) * config.block_size
-        return DraftModelDrafter(spec, self.spec.max_position_embeddings, self.spec.vocab_size, config.block_size,
-                                 capacity, config.dtype, config.device, cpu_kernels())
+        drafter = DraftModelDrafter(spec, self.spec.max_position_embeddings, self.spec.vocab_size, config.block_size,
+                                    capacity, config.dtype, config.device, cpu_kernels())
+        # the draft's KV of a prompt travels with the target's in a hand-off (engine/kv/kv_handle.py, DraftKV)
+        self.connector.register_draft_cache(drafter.kv_cache, drafter.block_manager.generations, drafter.fingerprint)
+        return drafter
 
     # ---- the loop ----
     def step(self) -> list[RequestDelta]:

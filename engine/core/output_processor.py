@@ -180,7 +180,8 @@ class OutputProcessor:
     # ---- the end of a context-only request ----
     def _end_context(self, seq: Sequence, samples: list[Sample]) -> None:
         """Reports each candidate's first token; the prompt's blocks are held under a lease for the decode side,
-        unless every candidate ended with its first token (then nothing will read them: freed now)."""
+        unless every candidate ended with its first token (then nothing will read them: freed now). A speculating
+        engine drafts after the first token (one candidate); a draft model's KV of the prompt is held with them."""
         req = seq.request
         req.forked = True
         deltas = []
@@ -192,12 +193,13 @@ class OutputProcessor:
             self.scheduler.finish(seq)
             self._pending.append(self._response(req, deltas))
             return
-        blocks, starts = self.block_manager.lease_blocks(seq, req.num_prompt_tokens)
-        opaque = self.connector.hold(req.request_id, blocks, req.num_prompt_tokens, [s.logprob for s in samples],
-                                     [_triples(s.top_logprobs) for s in samples], req.mm_items, starts)
-        self.scheduler.hold(seq)
         drafter = self.scheduler.drafter
         drafts = drafter.first_drafts(seq, samples[0].token_id) if drafter is not None and len(samples) == 1 else []
+        draft_kv = drafter.lease_blocks(seq, req.num_prompt_tokens) if drafter is not None else None
+        blocks, starts = self.block_manager.lease_blocks(seq, req.num_prompt_tokens)
+        opaque = self.connector.hold(req.request_id, blocks, req.num_prompt_tokens, [s.logprob for s in samples],
+                                     [_triples(s.top_logprobs) for s in samples], req.mm_items, starts, draft_kv)
+        self.scheduler.hold(seq)
         handoff = Handoff(req.request_id, tuple(s.token_id for s in samples), opaque, tuple(drafts))
         self._pending.append(self._response(req, deltas, handoff=handoff))
 

@@ -72,12 +72,12 @@ class Scheduler:
         """Takes seq out of every queue and frees its blocks. Idempotent."""
         self._dequeue(seq)
         self.block_manager.free(seq)
-        if self.drafter is not None:
-            self.drafter.release(seq)
+        self._release_draft(seq)
         seq.status = SeqStatus.FINISHED
 
     def hold(self, seq: Sequence) -> None:
-        """Finishes seq but keeps its blocks: a KV lease lets another engine read them until free_held()."""
+        """Finishes seq but keeps its blocks (and its drafter's): a KV lease lets another engine read them until
+        free_held()."""
         self._dequeue(seq)
         seq.status = SeqStatus.FINISHED
         self.held[seq.request.request_id] = seq
@@ -87,6 +87,11 @@ class Scheduler:
         seq = self.held.pop(request_id, None)
         if seq is not None:
             self.block_manager.free(seq)
+            self._release_draft(seq)
+
+    def _release_draft(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.release(seq)
 
     def _dequeue(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:
@@ -114,9 +119,12 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_tokens
                 self.block_manager.register(seq, seq.num_computed_tokens)
                 seq.request.kv_source = None  # read, and its lease released: a preemption from here recomputes
+                if self.drafter is not None:
+                    self.drafter.imported(seq)
                 self.add_running(seq)
             elif not seq.request.can_recompute:
                 self.block_manager.free(seq)
+                self._release_draft(seq)
                 seq.status = SeqStatus.FINISHED
                 failed.append((seq, f"reading the prompt KV failed ({problem}) and the prompt has images whose "
                                     "embeddings only the prefill side had: it cannot be prefilled here"))
@@ -125,6 +133,7 @@ class Scheduler:
                 log.warning("request %d re-prefills locally: %s", seq.request.request_id, problem)
                 self.num_reprefills += 1
                 self.block_manager.free(seq)
+                self._release_draft(seq)
                 seq.request.kv_source = None
                 self.add(seq, front=True)
             ended.append(seq)
@@ -199,8 +208,7 @@ class Scheduler:
         # blocks stay in the prefix cache until evicted, so it may well find them again). An import is re-read.
         self._dequeue(seq)
         self.block_manager.free(seq)
-        if self.drafter is not None:
-            self.drafter.release(seq)
+        self._release_draft(seq)
         seq.num_computed_tokens, seq.draft = 0, []
         self.add(seq, front=True)
         out.preempted.append(seq)
@@ -267,7 +275,16 @@ class Scheduler:
             return
         seq.status = SeqStatus.WAITING_FOR_KV
         self.waiting_for_kv.append(seq)
-        self.connector.start_import(ImportPlan(seq, handle, *pairs))
+        draft = self._draft_pairs(seq, handle) if pairs[0] else None  # nothing read: the draft computes too
+        self.connector.start_import(ImportPlan(seq, handle, *pairs, *(draft or ((), ()))))
+
+    def _draft_pairs(self, seq: Sequence, handle) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(local, remote) draft-pool blocks to read with seq's prompt KV, if its drafter can use the handle's."""
+        tables = self.drafter.import_tables(seq, handle) if self.drafter is not None else None
+        pairs = _import_pairs(tables, handle.draft_tables(), 0) if tables is not None else None
+        if tables is not None and pairs is None:
+            self.drafter.release(seq)
+        return pairs
 
 
 def _import_pairs(tables: list[list[int]], remote: list[tuple[int, tuple[int, ...]]], num_cached_blocks: int

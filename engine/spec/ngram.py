@@ -68,9 +68,9 @@ class NgramDrafter(Drafter):
         return out
 
     def _one(self, seq: Sequence, k: int) -> list[int]:
-        carried = seq.request.carried_draft
-        if carried and seq.num_output_tokens == 1:  # the prefill side drafted after the first token (one candidate)
-            return list(carried[:k])
+        carried = self.carried(seq, k)
+        if carried:
+            return carried
         index = self._indexes.get(seq)
         if index is None:
             index = self._indexes[seq] = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
