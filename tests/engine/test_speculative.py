@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 
@@ -349,3 +350,95 @@ def test_every_family_speculates_on_the_decode_side_of_a_hand_off(model_factory,
             assert gen.generate(prompt, GREEDY, disaggregated_params=dp).outputs[0].token_ids == ref, arch
             assert gen.engine.stats()["spec_draft_tokens"] > 0
         wait_pools_full(plain, ngram, drafting)
+
+
+def draft_pools_full(*llms, timeout: float = 10.0) -> None:
+    """wait_pools_full for the draft models' own pools (a held hand-off's draft blocks go with its lease)."""
+    deadline = time.monotonic() + timeout
+    for i, llm in enumerate(llms):
+        bm = llm.engine.scheduler.drafter.block_manager
+        while bm.num_free_blocks != bm.num_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bm.num_free_blocks == bm.num_blocks, f"LLM {i}: {bm.num_blocks - bm.num_free_blocks} draft blocks held"
+        bm.check()
+
+
+def _hand_off(ctx: LLM, gen: LLM, prompt: list[int], params: SamplingParams):
+    """(the prefill side's DisaggregatedParams, the decode side's output, the decode engine's stats before it)."""
+    dp = ctx.generate(prompt, params, disaggregated_params=DisaggregatedParams(request_type="context_only")
+                      ).disaggregated_params
+    before = gen.engine.stats()
+    dp.request_type = "generation_only"
+    return dp, gen.generate(prompt, params, disaggregated_params=dp), before
+
+
+def test_a_draft_model_prefill_hands_its_drafts_and_prompt_kv_to_the_decode_side(model_factory, draft_spec):
+    """Draft model on both sides of a NIXL hand-off: the prefill side's draft computes the prompt and drafts after
+    the first token (its greedy tokens: draft_tokens); its KV of the prompt travels in the same signed handle, so
+    the decode side's draft computes no prompt token, and the decode side's first step verifies the carried drafts.
+    The tokens are colocated decoding's without speculation, greedy and seeded (n=2: no drafts carried, the draft
+    computes the prompt); the lease ends with the read, and every pool, target and draft, is full again."""
+    model = looping_model(model_factory, "llama")
+    prompts = repetitive_prompts(2, seed=6)
+    seeded = dataclasses.replace(SEEDED, n=1)
+    with LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl") as plain, \
+            LLM(draft_spec.model, block_size=4, kv_cache_bytes=POOL) as draft, \
+            LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl", speculative_config=draft_spec) as ctx, \
+            LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl", speculative_config=draft_spec) as gen:
+        for params in (GREEDY, seeded, SEEDED):
+            for prompt in prompts:
+                ref = plain.generate(prompt, params, use_tqdm=False)
+                dp, g, before = _hand_off(ctx, gen, prompt, params)
+                assert [o.token_ids for o in g.outputs] == [o.token_ids for o in ref.outputs]
+                after = gen.engine.stats()
+                grew = {k: after[k] - before[k] for k in after if k.startswith("spec_")}
+                if params.n > 1:
+                    assert not dp.draft_tokens and grew["spec_draft_kv_imports"] == 0
+                    assert grew["spec_draft_prompt_tokens"] == params.n * len(prompt)  # each twin computes it
+                    continue
+                assert len(dp.draft_tokens) == draft_spec.num_speculative_tokens
+                if params is GREEDY:
+                    first = dp.first_gen_tokens
+                    want = draft.generate(prompt + first, dataclasses.replace(GREEDY, max_tokens=len(dp.draft_tokens)))
+                    assert dp.draft_tokens == want.outputs[0].token_ids
+                assert grew["spec_draft_kv_imports"] == 1 and grew["spec_draft_prompt_tokens"] == 0
+                assert grew["spec_carried_draft_tokens"] == len(dp.draft_tokens)
+                assert grew["spec_draft_tokens"] >= len(dp.draft_tokens)
+        assert ctx.engine.stats()["spec_draft_prompt_tokens"] > 0  # the prefill side's draft computed the prompts
+        wait_pools_full(plain, ctx, gen)
+        draft_pools_full(ctx, gen)
+        assert ctx.engine.stats()["kv_leases"] == 0
+
+
+def test_mismatched_drafts_on_either_side_of_a_hand_off_keep_the_tokens(model_factory, draft_spec, caplog):
+    """A draft-model prefill side to a decode side with n-gram drafts, none, or another draft model (its KV is
+    ignored: that draft computes the prompt, said once), and a prefill side without one to a draft-model decode
+    side: every pair gives the tokens of colocated decoding without speculation, greedy and seeded, and every pool
+    (the unread draft KV's with its lease) is full again."""
+    model = looping_model(model_factory, "llama")
+    other = SpeculativeConfig(method="draft_model", num_speculative_tokens=2,
+                              model=model_factory("llama", initializer_range=0.05, num_hidden_layers=1))
+    prompt = repetitive_prompts(1, seed=8)[0]
+    seeded = dataclasses.replace(SEEDED, n=1)
+    kw = {"block_size": 4, "kv_cache_bytes": POOL, "kv_transfer": "nixl"}
+    with LLM(model, **kw) as plain, LLM(model, **kw, speculative_config=draft_spec) as drafting, \
+            LLM(model, **kw, speculative_config=SPEC) as ngram, LLM(model, **kw, speculative_config=other) as another:
+        names = {plain: "plain", drafting: "drafting", ngram: "ngram", another: "another"}
+        for params in (GREEDY, seeded):
+            ref = plain.generate(prompt, params, use_tqdm=False).outputs[0].token_ids
+            for ctx, gen in ((drafting, ngram), (drafting, plain), (drafting, another), (plain, drafting),
+                             (ngram, drafting)):
+                dp, g, before = _hand_off(ctx, gen, prompt, params)
+                assert g.outputs[0].token_ids == ref
+                after = gen.engine.stats()
+                assert dp.draft_tokens or ctx is not drafting
+                if dp.draft_tokens and gen is not plain:  # verified on the first step, whatever the decode side's method
+                    assert after["spec_carried_draft_tokens"] > before["spec_carried_draft_tokens"], names[gen]
+                if gen is another or gen is drafting:  # no usable draft KV: the draft computed the prompt
+                    assert after["spec_draft_prompt_tokens"] - before["spec_draft_prompt_tokens"] == len(prompt)
+                    assert after["spec_draft_kv_imports"] == before["spec_draft_kv_imports"]
+        wait_pools_full(plain, drafting, ngram, another)
+        draft_pools_full(drafting, another)
+        said = [r for r in caplog.records if r.name == "engine.spec.draft_model" and "differs" in r.getMessage()]
+        assert len(said) == 1  # two hand-offs to the other draft, one warning
+        assert drafting.engine.stats()["kv_leases"] == 0
