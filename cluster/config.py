@@ -492,19 +492,17 @@ class RaypdConfig(_Strict):
                             device=e.device, num_threads=e.num_threads, seed=e.seed,
                             enable_prefix_caching=e.enable_prefix_caching, kv_lease_s=e.kv_lease_s,
                             kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key,
-                            batch_invariant=e.batch_invariant, speculative_config=_engine_speculation(e.speculative_config, role),
+                            batch_invariant=e.batch_invariant, speculative_config=_engine_speculation(e.speculative_config),
                             tensor_parallel_size=getattr(self, role).tensor_parallel_size if role else 1, **pool)
 
 
-def _engine_speculation(spec: SpeculativeSettings | None, role: str | None) -> Any:
-    """The engine's SpeculativeConfig: a prefill engine keeps n-gram speculation (its drafts after the first token
-    travel with the hand-off) but loads no draft model (it never decodes: the decode side's draft computes the
-    prompt itself)."""
+def _engine_speculation(spec: SpeculativeSettings | None) -> Any:
+    """The engine's SpeculativeConfig, the same for every role: a prefill engine drafts after the first token (its
+    drafts travel with the hand-off) and, with a draft model, computes the draft's KV of the prompt, which the
+    decode side reads instead of computing it (engine/spec/draft_model.py)."""
     from engine.spec.config import SpeculativeConfig
 
-    if spec is None or (role == "prefill" and spec.method == "draft_model"):
-        return None
-    return SpeculativeConfig(**spec.model_dump())
+    return None if spec is None else SpeculativeConfig(**spec.model_dump())
 
 
 def parse_config(data: Any, source: str = "config") -> RaypdConfig:

@@ -79,13 +79,13 @@ def test_speculative_config_reaches_the_engines(workdir):
     assert (got.method, got.num_speculative_tokens, got.prompt_lookup_min, got.prompt_lookup_max,
             got.disable_by_batch_size) == ("ngram", 5, 2, 3, 8)
     assert load_config(REPO / "configs" / "local.yaml").engine_config().speculative_config is None
-    # a draft model is loaded where it decodes: not on prefill replicas
+    # a draft model is loaded on prefill replicas too: their draft's KV of the prompt travels with the hand-off
     local = _yaml(REPO / "configs" / "local.yaml")
     draft = {"method": "draft_model", "model": local["model"]}  # any checkpoint directory will do here
     path.write_text(yaml.safe_dump({**local, "engine": {"speculative_config": draft}}))
     config = load_config(path)
-    assert config.engine_config(role="prefill").speculative_config is None
-    assert config.engine_config(role="decode").speculative_config.model == str(workdir / local["model"])
+    for role in ("prefill", "decode"):
+        assert config.engine_config(role=role).speculative_config.model == str(workdir / local["model"])
 
 
 def test_multinode_config_places_roles_and_autoscales_decode(workdir):
