@@ -64,19 +64,18 @@ class DraftModelDrafter(Drafter):
         return self.runner.kv_cache
 
     def propose(self, seqs: list[Sequence], budget: int) -> list[list[int]]:
-        wants, out = {}, {}
+        wants, out = {}, {}  # twin -> drafts to make; seq -> its drafts
         for seq in seqs:
             k = self.limit(seq, budget)
             out[seq] = self.carried(seq, k)  # the prefill side's drafts: verified first, nothing to compute
-            k = 0 if out[seq] else self._reserve(self._twin(seq), k) if k else 0
-            if k:
+            if k and not out[seq] and (k := self._reserve(self._twin(seq), k)):
                 wants[self._twins[seq]] = k
-            budget -= k + len(out[seq])
+            budget -= len(out[seq]) or k
         if wants:
             self._draft(wants)
         for seq in seqs:
             twin = self._twins.get(seq)
-            if twin is not None and twin in wants:
+            if twin in wants:
                 out[seq], twin.draft = twin.draft, []
         return [out[seq] for seq in seqs]
 
