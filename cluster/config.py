@@ -220,6 +220,11 @@ class EngineSettings(_Strict):
                                                      "it is batched, chunked, handed off or resumed: seeded "
                                                      "sampling then survives faults token for token. Costs prefill "
                                                      "speed; one rank per role; not for latent attention or sinks.")
+    borrow_idle_cores: bool = Field(
+        False, description="Engines on one host lend each other idle cores: a forward of 128+ tokens (a prompt "
+                           "chunk) runs on every core no other engine of the host is computing on, never on fewer "
+                           "than num_threads. For engines that share a host with num_threads set (configs/local.yaml)"
+                           ". Off under batch_invariant.")
     speculative_config: SpeculativeSettings | None = Field(
         None, description="Speculative decoding on decoding engines: the same tokens, several per step where the "
                           "drafts are right. Unset: off.")
@@ -492,7 +497,8 @@ class RaypdConfig(_Strict):
                             device=e.device, num_threads=e.num_threads, seed=e.seed,
                             enable_prefix_caching=e.enable_prefix_caching, kv_lease_s=e.kv_lease_s,
                             kv_transfer_timeout_s=e.kv_transfer_timeout_s, cluster_key=cluster_key,
-                            batch_invariant=e.batch_invariant, speculative_config=_engine_speculation(e.speculative_config),
+                            batch_invariant=e.batch_invariant, borrow_idle_cores=e.borrow_idle_cores,
+                            speculative_config=_engine_speculation(e.speculative_config),
                             tensor_parallel_size=getattr(self, role).tensor_parallel_size if role else 1, **pool)
 
 

@@ -18,6 +18,7 @@ from engine.kv.kv_cache import KVCache, KVLayout
 from engine.kv.kv_connector import EngineCard, KVConnector, NullConnector
 from engine.model.causal_lm import CausalLM
 from engine.config import load_spec
+from engine.parallel.host_cores import FixedThreads, HostCores
 from engine.parallel.ranks import START_TIMEOUT_S, RankGroup
 from engine.parallel.shard import SINGLE, check_shardable
 from engine.core.output_processor import OutputProcessor
@@ -61,6 +62,10 @@ class EngineConfig:
     # (the linears, norms and sampler are per-row already). Costs prefill speed (docs/performance.md). One rank only.
     batch_invariant: bool = False
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (engine/spec/); None: off
+    # Forwards of prompt chunks (>= 128 tokens) run on the host's cores no other engine is computing on, never on fewer
+    # than num_threads (engine/parallel/host_cores.py). Needs num_threads; one rank only; off under batch_invariant
+    # (whose promise is bits, and a GEMM's bits may depend on its thread count on some CPUs).
+    borrow_idle_cores: bool = False
 
     def pool_blocks(self, layout: KVLayout) -> int:
         """How many KV blocks of this layout the pool holds: num_blocks (of every layer) in blocks of one layer
@@ -136,10 +141,16 @@ class LLMEngine:
                                    config.max_num_seqs, drafter)
         # Logits reach the sampler on the CPU whatever the model's device: the fused sampling kernel serves both.
         runner = ModelRunner(self.model, self.kv_cache, self.ranks)
-        self.executor = ModelExecutor(runner, Sampler(config.seed, cpu_kernels()))
+        self.executor = ModelExecutor(runner, Sampler(config.seed, cpu_kernels()), self._cores(config))
         self.requests: dict[int, EngineRequest] = {}
         self.output = OutputProcessor(self.spec, self.scheduler, runner, self.connector, self.requests,
                                       Grammars(model_dir, self.spec.vocab_size))
+
+    def _cores(self, config: EngineConfig) -> HostCores | FixedThreads:
+        if config.borrow_idle_cores and config.num_threads and self.ranks is None and config.device == "cpu" \
+                and not config.batch_invariant:
+            return HostCores(config.num_threads)
+        return FixedThreads()
 
     def _drafter(self, config: EngineConfig, layout: KVLayout) -> Drafter | None:
         spec = config.speculative_config
@@ -295,6 +306,7 @@ class LLMEngine:
 
     def close(self) -> None:
         self.connector.close()
+        self.executor.cores.close()
         if self.ranks is not None:
             self.ranks.close()
 
@@ -321,6 +333,7 @@ class LLMEngine:
                 # hand-offs queued until the pool holds their blocks (their read has not started)
                 "num_waiting_imports": sum(s.request.kv_source is not None for s in self.scheduler.waiting),
                 "num_reprefills": self.scheduler.num_reprefills, **self._rank_stats(), **kv.extra,
+                "borrowed_core_steps": self.executor.cores.borrowed_steps,
                 **(self.scheduler.drafter.stats() if self.scheduler.drafter else {})}
 
     def _rank_stats(self) -> dict[str, float]:

@@ -10,6 +10,7 @@ import torch
 
 from engine.core.request import Sequence
 from engine.model.runner import ModelRunner
+from engine.parallel.host_cores import FixedThreads, HostCores
 from engine.sampling.sampler import Sample, Sampler, SampleRow
 from engine.core.scheduler import SchedulerOutput
 
@@ -22,9 +23,10 @@ class ModelOutput:
 
 
 class ModelExecutor:
-    def __init__(self, runner: ModelRunner, sampler: Sampler):
+    def __init__(self, runner: ModelRunner, sampler: Sampler, cores: HostCores | FixedThreads | None = None):
         self.runner = runner
         self.sampler = sampler
+        self.cores = cores or FixedThreads()  # how many threads each forward runs on (engine/parallel/host_cores.py)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         if not out.scheduled:
@@ -32,7 +34,8 @@ class ModelExecutor:
         last_rows = [end - 1 for end in itertools.accumulate(n for _, n in out.scheduled)]  # each one's last new token
         rows, owners, flat = self._sample_rows(out, last_rows)
         prompt = self._prompt_rows(out, last_rows)
-        logits = self.runner.run(out.scheduled, flat + [r for _, rs in prompt.values() for r in rs])
+        with self.cores.forward(last_rows[-1] + 1):
+            logits = self.runner.run(out.scheduled, flat + [r for _, rs in prompt.values() for r in rs])
         kept, at = {}, len(flat)
         for seq, (positions, rs) in prompt.items():
             kept[seq] = dict(zip(positions, logits[at:at + len(rs)]))

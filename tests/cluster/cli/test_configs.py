@@ -50,6 +50,7 @@ def test_local_config_is_the_single_node_default(workdir):
     assert (config.http.host, config.http.port, config.http.api_key_value()) == ("127.0.0.1", 8000, None)
     engine = config.engine_config(cluster_key=b"k")
     assert (engine.device, engine.num_threads, engine.cluster_key, engine.dtype) == ("cpu", 1, b"k", "auto")
+    assert engine.borrow_idle_cores  # one thread each, and a prompt chunk on both cores while the other role idles
     assert config.decode.deployment_options()["num_replicas"] == 1
     router = config.router
     assert (router.max_local_prefill_tokens, router.max_prefill_backlog_tokens, router.local_prefill_when_idle) == (
