@@ -1,16 +1,25 @@
 """Serving against vLLM: one workload through `vllm serve` (vLLM's CPU build, in its own venv), raypd's default
-disaggregated deployment (`make serve`) and `mode: colocated`, one system at a time, at each concurrency.
+disaggregated deployment (`make serve`), the same with every prompt forced through a prefill replica and the KV
+transfer ("forced"), and `mode: colocated`, one system at a time, at each concurrency.
 
     python -m benchmarks.serve_peers [--config configs/local.yaml] [--concurrency 1,16] [--num-requests 32]
                                   [--input-len 256] [--output-len 128] [--vllm-python .venv-vllm/bin/python]
-                                  [--systems vllm,disaggregated,colocated] [--dtype bfloat16]
-                                  [--plot FILE.png] [--json FILE]
+                                  [--systems vllm,disaggregated,forced,colocated] [--dtype native]
+                                  [--no-vllm-bench] [--plot FILE.png] [--json FILE]
 
 The client is `raypd bench`'s (benchmarks.client), the same seeded prompts for every system, other prompts at each
-concurrency (none found cached from the run before); results print side by side (TTFT / TPOT / ITL / E2E
-percentiles, throughput). vLLM is stopped before raypd's Ray starts. Without --dtype each system keeps its own
-default: on a CPU with AMX-BF16 both serve a fp32 checkpoint in bf16 (raypd's `dtype: auto`, engine.config.auto_dtype).
---dtype runs both in that dtype. `make bench-peers` creates vLLM's venv (see ../shared/BENCH.md for what it needs on
+concurrency and in each dtype's round (no round finds an earlier one's prompts cached); results print side by side
+(TTFT / TPOT / ITL / E2E percentiles, throughput). vLLM is stopped before raypd's Ray starts.
+
+Like against like by default (--dtype native): both systems in the dtype this CPU computes natively for the
+checkpoint (engine.config.auto_dtype: bf16 with AMX-BF16 or AVX512-BF16, else fp32). Then, where either system's
+default differs from that (vLLM serves a fp32 checkpoint in bf16 on any CPU, emulated where bf16 is not native), a
+second round with each system's defaults. --dtype float32|bfloat16 runs that dtype only; --dtype defaults the
+defaults only.
+
+`vllm bench serve` (vLLM's own client, from its venv) also runs against raypd's disaggregated endpoint, with the
+openai-chat backend, at each concurrency on random prompts of the same lengths: its TTFT/TPOT print beside `raypd
+bench`'s, a check on the client. `make bench-peers` creates vLLM's venv (see ../shared/BENCH.md for what it needs on
 this machine).
 """
 
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import pathlib
 import socket
@@ -32,8 +42,11 @@ from benchmarks.client import BenchResult, run_benchmark
 from benchmarks.workload import BenchConfig
 from benchmarks.report import format_table, plot_latency_cdfs, write_json
 from cluster.config import RaypdConfig, load_config
+from engine.config import auto_dtype, load_spec, run_dtype
 
 READY_TIMEOUT_S = 300.0  # vLLM's CPU engine profiles and warms up before it listens
+VLLM_CPU_DEFAULT_DTYPE = "bfloat16"  # what vllm serve runs a fp32 or bf16 checkpoint in on a CPU (../shared/BENCH.md)
+TOKENS_PER_WORD = 1.35  # raypd bench's prompt words, in the tiny tokenizers' tokens (256 words ~ 345 tokens)
 
 
 def free_port() -> int:
@@ -109,13 +122,23 @@ def raypd_app(config: RaypdConfig, mode: str):
 
     from cluster.serving.app import build_from_config
 
-    serve.run(build_from_config(config.model_copy(update={"mode": mode})), name="raypd", route_prefix="/")
+    serve.run(build_from_config(deployment(config, mode)), name="raypd", route_prefix="/")
     try:
         base = f"http://127.0.0.1:{config.http.port}/v1"
         wait_ready(base, None, READY_TIMEOUT_S)
         yield base
     finally:
         serve.delete("raypd")
+
+
+def deployment(config: RaypdConfig, mode: str) -> RaypdConfig:
+    """mode: disaggregated (the config as it is), colocated, or forced: disaggregated with every prompt through a
+    prefill replica and the KV transfer (no conditional disaggregation: not when idle, not under a backlog)."""
+    if mode != "forced":
+        return config.model_copy(update={"mode": mode})
+    router = config.router.model_copy(update={"local_prefill_when_idle": False, "max_prefill_backlog_tokens": 0,
+                                              "max_local_prefill_tokens": 0})
+    return config.model_copy(update={"mode": "disaggregated", "router": router})
 
 
 def measure(label: str, base: str, bench: BenchConfig, concurrencies: list[int], api_key: str | None,
@@ -134,30 +157,103 @@ def _p50(result: BenchResult, metric: str) -> str:
     return "-" if p is None else f"{p.p50:.1f} ms"
 
 
-def run(args) -> dict[str, BenchResult]:
+def vllm_bench_serve(base: str, config: RaypdConfig, bench: BenchConfig, concurrency: int, vllm_python: str,
+                     api_key: str | None) -> dict:
+    """`vllm bench serve` (openai-chat backend, random prompts of the workload's lengths in tokens) against base;
+    its result JSON (completed, failed, median_ttft_ms, median_tpot_ms, output_throughput, ...)."""
+    vllm = pathlib.Path(vllm_python).absolute().parent / "vllm"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    if api_key:
+        env["OPENAI_API_KEY"] = api_key
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [str(vllm), "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+               "--base-url", base.removesuffix("/v1"), "--model", config.model_name,
+               "--tokenizer", str(pathlib.Path(config.model).absolute()), "--dataset-name", "random",
+               "--random-input-len", str(round(bench.input_len * TOKENS_PER_WORD)),
+               "--random-output-len", str(bench.output_len), "--num-prompts", str(bench.num_requests),
+               "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(bench.seed + 7919 + concurrency),
+               "--num-warmups", str(bench.num_warmups), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+               "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+        out = pathlib.Path(tmp, "result.json")
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}):\n{proc.stdout[-1500:]}\n"
+                               f"{proc.stderr[-2500:]}")
+        return json.loads(out.read_text())
+
+
+def client_check(label: str, ours: BenchResult, theirs: dict) -> str:
+    """One line: vllm bench serve's and raypd bench's counts, TTFT and TPOT p50 on the same endpoint, and ratios."""
+    ttft, tpot = ours.latency_ms("ttft"), ours.latency_ms("tpot")
+    return (f"{label}: vllm bench serve {theirs['completed']} ok / {theirs.get('failed', 0)} failed, TTFT p50 "
+            f"{theirs['median_ttft_ms']:.1f} ms, TPOT p50 {theirs['median_tpot_ms']:.2f} ms, "
+            f"{theirs['output_throughput']:.0f} tok/s | raypd bench TTFT p50 {ttft.p50:.1f} ms, TPOT p50 "
+            f"{tpot.p50:.2f} ms, {ours.output_throughput:.0f} tok/s | vllm / raypd bench: TTFT "
+            f"{theirs['median_ttft_ms'] / ttft.p50:.2f}x, TPOT {theirs['median_tpot_ms'] / tpot.p50:.2f}x")
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    name: str
+    vllm_dtype: str | None  # vllm serve's --dtype; None: its default
+    raypd_dtype: str | None  # raypd's config dtype; None: the config's own
+
+
+def rounds(config: RaypdConfig, choice: str) -> list[Round]:
+    """The dtype rounds --dtype asks for: native (like for like, then defaults where they differ), defaults, or one
+    dtype for both."""
+    checkpoint = load_spec(config.model).checkpoint_dtype
+    if choice in ("float32", "bfloat16"):
+        return [Round(f"both {choice}", choice, choice)]
+    raypd_default = run_dtype(config.dtype, checkpoint, "cpu")
+    defaults = Round(f"defaults (vLLM {VLLM_CPU_DEFAULT_DTYPE}, raypd {raypd_default})", None, None)
+    if choice == "defaults":
+        return [defaults]
+    native = auto_dtype(checkpoint, "cpu")
+    like = Round(f"like for like, both {native} (native here)", native, native)
+    return [like] if (VLLM_CPU_DEFAULT_DTYPE, raypd_default) == (native, native) else [like, defaults]
+
+
+def run(args) -> dict[str, dict[str, BenchResult]]:
+    """Per round: its results by label. raypd runs every round in one Ray (one deployment at a time)."""
     config = load_config(args.config)
     if args.model:
         config = config.model_copy(update={"model": args.model, "served_model_name": None})
-    if args.dtype:
-        config = config.model_copy(update={"dtype": args.dtype})
     bench = BenchConfig(base_url="", model=config.model_name, num_requests=args.num_requests,
                         input_len=args.input_len, output_len=args.output_len, num_warmups=2)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     systems = args.systems.split(",")
-    results: dict[str, BenchResult] = {}
+    plan = rounds(config, args.dtype)
+    # Each round its own prompts: a later round must not find an earlier one's prompts in a cache.
+    benches = [dataclasses.replace(bench, seed=bench.seed + 1000 * i) for i in range(len(plan))]
+    results: dict[str, dict[str, BenchResult]] = {r.name: {} for r in plan}
+    checks: list[str] = []
     if "vllm" in systems:
-        log = pathlib.Path(tempfile.gettempdir()) / "raypd-bench-vllm-serve.log"
-        print(f"vllm serve (log: {log})", flush=True)
-        with vllm_server(config, args.vllm_python, log, args.dtype) as base:
-            measure("vllm serve", base, bench, concurrencies, None, results)
-    modes = [m for m in ("disaggregated", "colocated") if m in systems]
+        for r, b in zip(plan, benches):
+            log = pathlib.Path(tempfile.gettempdir()) / "raypd-bench-vllm-serve.log"
+            print(f"[{r.name}] vllm serve (log: {log})", flush=True)
+            with vllm_server(config, args.vllm_python, log, r.vllm_dtype) as base:
+                measure("vllm serve", base, b, concurrencies, None, results[r.name])
+    modes = [m for m in ("disaggregated", "forced", "colocated") if m in systems]
     if modes:
         config = config.model_copy(update={"http": config.http.model_copy(update={"port": free_port()})})
         with raypd_serve(config.http.port):
-            for mode in modes:
-                print(f"raypd {mode}", flush=True)
-                with raypd_app(config, mode) as base:
-                    measure(f"raypd {mode}", base, bench, concurrencies, config.http.api_key_value(), results)
+            for r, b in zip(plan, benches):
+                dtyped = config if r.raypd_dtype is None else config.model_copy(update={"dtype": r.raypd_dtype})
+                for mode in modes:
+                    print(f"[{r.name}] raypd {mode}", flush=True)
+                    with raypd_app(dtyped, mode) as base:
+                        key = dtyped.http.api_key_value()
+                        measure(f"raypd {mode}", base, b, concurrencies, key, results[r.name])
+                        if mode == "disaggregated" and args.vllm_bench:
+                            for c in concurrencies:
+                                theirs = vllm_bench_serve(base, dtyped, b, c, args.vllm_python, key)
+                                checks.append(client_check(f"[{r.name}] raypd {mode} c={c}",
+                                                           results[r.name][f"raypd {mode}, c={c}"], theirs))
+                                print("  " + checks[-1], flush=True)
+    for line in checks:
+        print(line)
     return results
 
 
@@ -170,19 +266,22 @@ def main(argv=None) -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256, help="prompt words (~ tokens)")
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--systems", default="vllm,disaggregated,colocated")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="serve both systems in this dtype (default: each its own default)")
+    parser.add_argument("--systems", default="vllm,disaggregated,forced,colocated")
+    parser.add_argument("--dtype", choices=("native", "defaults", "float32", "bfloat16"), default="native",
+                        help="native: like for like in this CPU's native dtype, then defaults where they differ")
+    parser.add_argument("--no-vllm-bench", dest="vllm_bench", action="store_false",
+                        help="skip `vllm bench serve` against raypd's disaggregated endpoint")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
-    parser.add_argument("--plot", default=None, help="write latency CDFs here (PNG)")
+    parser.add_argument("--plot", default=None, help="write latency CDFs here (PNG; one per dtype round, numbered)")
     parser.add_argument("--json", default=None, help="write every measurement here")
     args = parser.parse_args(argv)
     results = run(args)
-    print("\n" + format_table(results))
-    if args.plot:
-        plot_latency_cdfs(results, args.plot)
+    for i, (name, round_results) in enumerate(results.items()):
+        print(f"\n{name}\n" + format_table(round_results))
+        if args.plot:
+            plot_latency_cdfs(round_results, args.plot if i == 0 else f"{args.plot}.{i}.png")
     if args.json:
-        write_json(results, args.json)
+        write_json({f"{name}: {label}": r for name, rr in results.items() for label, r in rr.items()}, args.json)
 
 
 if __name__ == "__main__":
