@@ -31,7 +31,9 @@ VARIANTS = {
     # raw top-k probabilities; Mixtral (always renormalized, float32 routing weights) with a sliding window.
     "qwen3_moe": dict(arch="qwen3_moe"),
     "qwen3_moe_step2": dict(arch="qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False),
-    "mixtral": dict(arch="mixtral", sliding_window=8),
+    # Weights at std 0.1 (the builder's 0.15 grows Mixtral's full-width experts' residual stream to ~85, where
+    # one-ulp differences of the SiLU, the C++ kernel's against torch's, reach 1.3e-4 on the logits on AVX-512 CPUs).
+    "mixtral": dict(arch="mixtral", sliding_window=8, initializer_range=0.1),
     # Qwen2-MoE: q/k/v biases (perturbed), raw top-k weights and a sigmoid-gated shared expert.
     "qwen2_moe": dict(arch="qwen2_moe"),
     # DeepSeek-V3: latent attention (q through its low-rank path, interleaved rope), grouped sigmoid routing with a

@@ -119,14 +119,15 @@ def kv_bytes_per_token(model_dir: str) -> int:
     if "kv_lora_rank" in config:
         per_layer = config["kv_lora_rank"] + config["qk_rope_head_dim"]
     else:
-        per_layer = 2 * config["num_key_value_heads"] * config["head_dim"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]  # Mixtral: null
+        per_layer = 2 * config["num_key_value_heads"] * head_dim
     return config["num_hidden_layers"] * per_layer * 4
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral"])
 def test_moe_and_latent_models_hand_off_from_two_prefill_ranks_to_one(model_factory, arch):
-    """DeepSeek-V3 (its latent cache whole on each prefill rank: read once, from rank 0) and Qwen3-MoE (KV heads split
-    over the prefill ranks): P TP2 -> D TP1 gives colocated tokens, greedy and seeded n=2; the same prompt again reads
+    """DeepSeek-V3 (its latent cache whole on each prefill rank: read once, from rank 0), Qwen3-MoE and Mixtral (KV
+    heads split over the prefill ranks, every expert's width sharded): P TP2 -> D TP1 gives colocated tokens, greedy and seeded n=2; the same prompt again reads
     only its last block. The bytes read per token are the model's KV per token: for MLA its latents."""
     model = model_factory(arch)
     config = dict(block_size=4, dtype="float32", num_threads=1, kv_transfer="nixl")
