@@ -382,7 +382,7 @@ def actor_processes() -> Counter:
         except OSError:
             continue  # gone meanwhile
         if title.startswith("ray::") and not title.startswith("ray::IDLE"):
-            titles[title.split()[0]] += 1
+            titles[title.split()[0].split(".")[0]] += 1  # a busy actor's title names its method: ray::A.method
     return titles
 
 
