@@ -177,7 +177,10 @@ async def _stream(http: httpx.AsyncClient, path: str, body: dict, out: Outcome) 
         async for line in rsp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            for choice in json.loads(line[6:]).get("choices", []):
+            data = json.loads(line[6:])
+            if "error" in data:  # how a failed stream ends (after a finish_reason "error" chunk)
+                out.error = str(data["error"].get("message"))[:300]
+            for choice in data.get("choices", []):
                 out.texts[0] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 out.reasons[0] = choice.get("finish_reason") or out.reasons[0]
             chunks += 1

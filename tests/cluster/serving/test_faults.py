@@ -163,9 +163,9 @@ def test_a_killed_postproc_worker_loses_no_stream(server, client, reference):
 
 def test_a_soak_of_kills_alters_loses_and_leaks_nothing(server, reference):
     """A minute or two of six clients (greedy streams, seeded n=2 requests, clients that leave) while a decode replica,
-    a prefill replica or a postproc worker is SIGKILLed every 2-5 s, each at least twice."""
+    a prefill replica or a postproc worker is SIGKILLed every 1-3 s once the last is back, each at least twice."""
     config = SoakConfig(server, APP, "tiny", duration_s=60, faults=("decode", "prefill", "postproc"), concurrency=6,
-                        max_tokens=48, interval_s=(2.0, 5.0), seed=1, min_faults_each=2)
+                        max_tokens=48, interval_s=(1.0, 3.0), seed=1, min_faults_each=2)
     report = run_soak(config, EmbeddedReference(reference))
     print(report.table(), *report.lost, sep="\n")
     served = sum(report.requests.values()) - report.left
