@@ -1,5 +1,5 @@
 """Faults under load on a real Serve deployment (real Ray, NIXL, HTTP, the real openai client): a killed postproc
-worker mid-stream; a chaos soak (benchmarks/soak.py) killing decode replicas, prefill replicas and postproc workers at
+worker mid-stream; a chaos soak (benchmarks/soak/) killing decode replicas, prefill replicas and postproc workers at
 random under greedy, seeded (n=2) and abandoned streams; a decode replica killed under a direct start; clients leaving
 at each stage; a flood; fuzzed (schemathesis) and hand-written malformed bodies. Streams must end exactly as they
 would have without the fault; nothing may leak; nothing may answer 500. A summary table is printed at the end of the

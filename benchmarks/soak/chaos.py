@@ -522,5 +522,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report.ok else 1
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # also: python -m benchmarks.soak
     raise SystemExit(main())

@@ -1,0 +1,3 @@
+from benchmarks.soak.chaos import main
+
+raise SystemExit(main())
