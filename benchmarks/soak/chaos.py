@@ -198,7 +198,7 @@ async def _client(http, requests: Iterator[SoakRequest], outcomes: list[Outcome]
 
 class Chaos:
     """Kills one replica at a time: rounds of `faults` in a shuffled order, `interval_s` apart (uniform), each once
-    the deployment is back at full strength (`recovered`): one fault at a time, as the issue's rounds do."""
+    the deployment is back at full strength (`recovered`), so that faults never overlap."""
 
     def __init__(self, app: str, base_url: str, faults: tuple[str, ...], interval_s: tuple[float, float], seed: int):
         from cluster.serving.directory import Directory
