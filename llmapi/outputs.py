@@ -144,6 +144,9 @@ class RequestDelta:
 
     finished: every candidate has finished. handoff: this engine is done with the request but it goes on (a
     context-only request's hand-off). Either way nothing more comes for the request from this engine (`final`).
+    retry_whole: the error is one the request's owner recovers from by serving the request again whole elsewhere
+    (the prompt KV this engine was to read is gone and it cannot compute the prompt itself: its images' embeddings
+    were read on the prefill side only).
     """
 
     request_id: int
@@ -155,6 +158,7 @@ class RequestDelta:
     context_logits: Any = None  # torch.Tensor (num_prompt_tokens, vocab), first response only
     handoff: Handoff | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache, first response only
+    retry_whole: bool = False
 
     @property
     def final(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 import ray
 
+from llmapi.outputs import RequestDelta
 from postproc.routing import Lane, Output
 from postproc.sink import ResultSink
 from protocol import PipeAddr, PostprocRoute, postproc_worker
@@ -32,6 +33,16 @@ class PostprocLost(RuntimeError):
     """The postproc worker carrying a request's tokens is gone (or restarted)."""
 
 
+class PromptKVLost(RuntimeError):
+    """The engine serving a request could not read its prompt's KV and cannot compute the prompt itself
+    (RequestDelta.retry_whole): the owner serves it again whole."""
+
+
+def retry_whole(delta: RequestDelta | None) -> PromptKVLost | None:
+    """What to raise instead of applying this engine response, if it asks for the request to be served again."""
+    return PromptKVLost(delta.error) if delta is not None and delta.retry_whole else None
+
+
 class LaneWaits:
     """The owner's requests whose tokens come back on its lane, each waiting for its final output. All on the
     owner's event loop (OwnerLanes hands it each Output there)."""
@@ -41,15 +52,15 @@ class LaneWaits:
 
     async def wait(self, engine_id: int, sink: ResultSink, call: Awaitable[None], num_workers: int) -> None:
         """Runs `call` (the replica call feeding the lane) until the request's final output has arrived. Raises what
-        lost the call, or PostprocLost when its postproc worker is lost or the final output does not follow the
-        call's end within LANE_GRACE_S."""
+        lost the call, PromptKVLost when the engine asks for the request to be served again whole, or PostprocLost
+        when its postproc worker is lost or the final output does not follow the call's end within LANE_GRACE_S."""
         final = asyncio.get_running_loop().create_future()
         self._waiting[engine_id] = (sink, final)
         task = asyncio.ensure_future(call)
         try:
             await asyncio.wait({task, final}, return_when=asyncio.FIRST_COMPLETED)
             if final.done():
-                final.result()  # raises PostprocLost
+                final.result()  # raises PostprocLost or PromptKVLost
                 return
             task.result()  # raises what lost the call
             await asyncio.wait_for(asyncio.shield(final), LANE_GRACE_S)
@@ -66,6 +77,11 @@ class LaneWaits:
         if entry is None:
             return  # a late output of a request resumed since, or gone
         sink, final = entry
+        lost = retry_whole(out.res)
+        if lost is not None:
+            if not final.done():
+                final.set_exception(lost)
+            return
         sink.apply(out.res, out.should_abort)
         if out.is_final and not final.done():
             final.set_result(None)

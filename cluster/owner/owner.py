@@ -3,10 +3,11 @@ back into it, and survives the loss of the workers on the way. Where the roles l
 (ActorRoles) or Serve deployments (ServeRoles).
 
 Every role call streams `Accepted` first (the replica's control pipe, where Abort and StopCandidates go). A lost
-prefill worker: the request is served whole on a decode worker. A lost decode worker (or postproc worker): the
-request is resumed from its candidates' tokens so far on another decode worker, or whole on a prefill worker when no
-decode worker takes it; draws depend only on (seed, candidate, position), so the stream goes on with the tokens it
-would have had. A bounded number of times, then a clear error naming the role.
+prefill worker: the request is served whole on a decode worker. A lost decode worker (or postproc worker), or one that
+could not read the prompt's KV and cannot compute the prompt itself (images whose embeddings only the prefill side
+read): the request is resumed from its candidates' tokens so far on another decode worker, or whole on a prefill worker
+when no decode worker takes it; draws depend only on (seed, candidate, position), so the stream goes on with the tokens
+it would have had. A bounded number of times, then a clear error naming the role.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 
 from cluster.owner.control import ControlClient, Holders
 from cluster.owner.direct import DirectStarts, ReplicaGone
-from cluster.owner.lanes import LaneWaits, PostprocLost
+from cluster.owner.lanes import LaneWaits, PostprocLost, PromptKVLost, retry_whole
 from cluster.routing.local_prefill import OwnerLoad
 from llmapi.disaggregated_params import DisaggregatedParams, RequestType
 from llmapi.outputs import RequestDelta, Resume, ResumedCandidate, TokenDelta
@@ -45,7 +46,7 @@ class NotAccepted(RuntimeError):
 
 
 LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, PostprocLost, PostprocUnreachable,
-        NotAccepted, ReplicaGone)
+        NotAccepted, ReplicaGone, PromptKVLost)
 
 
 class Roles(Protocol):
@@ -249,6 +250,8 @@ class RequestOwner:
         async for item in _accepted_within(stream, ACCEPT_TIMEOUT_S):
             if isinstance(item, Accepted):
                 self._hold(s, role, item)
+            elif (lost := retry_whole(item)) is not None:
+                raise lost
             elif self._deliver(s, item):
                 return
         if not s.record.finished:
@@ -353,6 +356,8 @@ def _lost(role: str, exc: BaseException) -> str:
     """What happened, in words that name the role and never a pid, an actor id or an address."""
     if isinstance(exc, (PostprocLost, PostprocUnreachable)):
         return "its postproc worker was lost"
+    if isinstance(exc, PromptKVLost):
+        return f"its {role} worker could not read the prompt's KV and cannot compute the prompt itself"
     if isinstance(exc, NotAccepted):
         return f"no {role} worker took it within {ACCEPT_TIMEOUT_S} s"
     return f"its {role} worker was lost"

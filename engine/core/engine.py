@@ -176,11 +176,12 @@ class LLMEngine:
 
     def _poll_kv_connector(self) -> None:
         """Reads that ended start their candidates from the prefill side's first tokens; ended leases are freed;
-        a request whose read failed and that cannot recompute its prompt here ends with the reason."""
+        a request whose read failed and that cannot recompute its prompt here ends with the reason, for its owner
+        to serve again whole."""
         started, failed = self.scheduler.update_from_connector(self.connector.poll())
         self.output.start_generation(started)
         for seq, why in failed:
-            self.output.fail(seq.request, why)
+            self.output.fail(seq.request, why, retry_whole=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.output.has_pending

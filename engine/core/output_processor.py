@@ -87,11 +87,13 @@ class OutputProcessor:
         self._leave(req)
         self._pending.append(RequestDelta(req.request_id, tuple(deltas), finished=True))
 
-    def fail(self, req: EngineRequest, why: str) -> None:
-        """Ends the request with an error (every candidate's finish_reason 'error'): it cannot go on here."""
+    def fail(self, req: EngineRequest, why: str, retry_whole: bool = False) -> None:
+        """Ends the request with an error (every candidate's finish_reason 'error'): it cannot go on here.
+        retry_whole: its owner may serve it again whole elsewhere (RequestDelta.retry_whole)."""
         deltas = [self._finish(s, "error", None) for s in req.seqs if not s.finished]
         self._leave(req)
-        self._pending.append(RequestDelta(req.request_id, tuple(deltas), finished=True, error=why))
+        self._pending.append(RequestDelta(req.request_id, tuple(deltas), finished=True, error=why,
+                                          retry_whole=retry_whole))
 
     def stop(self, req: EngineRequest, seq: Sequence) -> None:
         delta = self._finish(seq, "stop", None)

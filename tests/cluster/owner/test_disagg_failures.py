@@ -1,17 +1,25 @@
-"""Failures across Ray actors: a prefill worker dies before its KV is read; two incompatible engines meet."""
+"""Failures across Ray actors: a prefill worker dies before its KV is read (a text prompt re-prefills on the decode
+side; an image prompt, which the decode side cannot compute, is served again whole by its owner); two incompatible
+engines meet."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import ray
 
+from cluster.owner.client import DisaggregatedClient
 from cluster.serving.launch import start_workers
 from engine.core.engine import EngineConfig
+from engine.multimodal.encoder import EncoderConfig
 from raypd import LLM, SamplingParams
 from llmapi.disaggregated_params import DisaggregatedParams
+from llmapi.outputs import RequestDelta
 from protocol import Submit
+from tests.cluster.owner.test_disagg_ray import pools_full
+from tests.engine.images import case, mm
 
 CONFIG = EngineConfig(block_size=4, num_threads=1)
 
@@ -44,6 +52,60 @@ def _kill_prefill_then_decode(workers, model_dir: str) -> None:
     assert again[-1].finished
     free, total = ray.get(decode.kv_blocks.remote(), timeout=30)
     assert free == total
+
+
+class PrefillDiesAtItsHandoff:
+    """The owner's roles, except that the prefill worker is killed once its call has streamed the hand-off and ended:
+    its NIXL agent, holding the only copy of the prompt's KV, is gone before the decode side reads."""
+
+    def __init__(self, roles, prefill):
+        self.roles, self.prefill, self.colocated = roles, prefill, False
+        self.pid = ray.get(prefill.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+
+    async def encode(self, result, images):
+        return await self.roles.encode(result, images)
+
+    async def call(self, role, submit):
+        handed_off = False
+        async for item in self.roles.call(role, submit):
+            handed_off = handed_off or (isinstance(item, RequestDelta) and item.handoff is not None)
+            yield item
+        if handed_off:  # after the call's end: a stream cut short would read as a lost prefill worker instead
+            ray.kill(self.prefill)
+            _wait_gone(self.pid)  # Ray calls an actor dead before its process (and NIXL agent) has exited
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs {timeout} s after ray.kill")
+
+
+def test_an_image_prompt_whose_prefill_dies_before_the_read_is_served_again_whole(ray_cluster, llava_factory):
+    llava = str(llava_factory())
+    params = SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=7, ignore_eos=True)
+    prompt = mm(*case("two", seed=5))
+    with LLM(llava, block_size=4) as embedded:
+        ref = embedded.generate(prompt, params)
+    workers = start_workers(llava, CONFIG, encoder=EncoderConfig(num_slots=8, num_threads=1))
+    try:
+        with DisaggregatedClient(workers.prefill, workers.decode, llava, request_timeout_s=60,
+                                 encoder=workers.encoder) as client:
+            client.owner.roles = PrefillDiesAtItsHandoff(client.owner.roles, workers.prefill[0])
+            start = time.monotonic()
+            got = client.generate(prompt, params, timeout=60)
+            assert time.monotonic() - start < CONFIG.kv_transfer_timeout_s + 10
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in ref.outputs]
+        assert [o.finish_reason for o in got.outputs] == ["length", "length"]
+        assert client.owner.counters["resumed"] == 1
+        pools_full(workers.decode)
+    finally:
+        workers.kill()
 
 
 def test_incompatible_engines_are_refused_when_they_meet(ray_cluster, tiny_llama, model_factory):
