@@ -27,7 +27,7 @@ from engine.kv.kv_cache import KVCache
 from engine.kv.head_reads import CancelRead, RankImport, ReadOrder
 from engine.kv.kv_connector import ConnectorEvents, ConnectorStats, EngineCard, ImportPlan, KVConnector
 from engine.kv.kv_handle import DraftKV, KVHandle, compatibility_problems, open_release, release_message
-from engine.kv.kv_transfer import BLOCKS, GENERATIONS, NixlTransport, ReadHandle, TransferError
+from engine.kv.kv_transfer import BLOCKS, GENERATIONS, NixlTransport, PeerDisconnected, ReadHandle, TransferError
 from engine.core.request import Sequence
 from engine.parallel.ranks import RankGroup
 
@@ -161,6 +161,12 @@ class NixlConnector(KVConnector):
         self.transport.connect(card.name, card.transport_info)
         self._peers.add(card.name)
 
+    def _unmeet_if_lost(self, error: Exception, name: str) -> None:
+        """A peer the transport dropped as gone (PeerDisconnected) is met again by its next handle: after a
+        partition heals, the same, still running, prefill engine is read from again instead of re-prefilled forever."""
+        if isinstance(error, PeerDisconnected):
+            self._peers.discard(name)
+
     def open_handle(self, opaque_state: bytes) -> KVHandle:
         handle = KVHandle.open(opaque_state, self._key)
         try:
@@ -226,6 +232,7 @@ class NixlConnector(KVConnector):
         except (TransferError, ValueError) as e:
             self._forget(imp)
             self._failed.append((plan.seq, str(e)))
+            self._unmeet_if_lost(e, handle.agent)
 
     def _start_draft_read(self, plan: ImportPlan, region: str) -> ReadHandle:
         """Reads the handle's draft blocks (or their generation numbers) into our draft pool (or its scratch)."""
@@ -262,6 +269,7 @@ class NixlConnector(KVConnector):
                 self._meet_owner(handle)
             self.transport.send_notification(handle.agent, release_message(handle.lease_id, self._key))
         except TransferError as e:  # the lease ends on its own
+            self._unmeet_if_lost(e, handle.agent)
             log.info("could not release context request %d early: %s", handle.ctx_request_id, e)
 
     # ---- polling ----
@@ -321,6 +329,7 @@ class NixlConnector(KVConnector):
             if not self.transport.poll(imp.read):  # a few bytes: usually done at once, so no extra step
                 return False
         except TransferError as e:
+            self._unmeet_if_lost(e, handle.agent)
             return str(e)
         return self._validate(imp)
 

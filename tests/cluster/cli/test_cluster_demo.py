@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,23 +14,12 @@ import time
 
 import pytest
 
+from tests.netns import why_not as _why_not
+
 REPO = pathlib.Path(__file__).resolve().parents[3]
 DEMO = [sys.executable, str(REPO / "scripts" / "cluster_demo")]
 DEMO_TIMEOUT_S = 900  # measured ~110 s (README); a fresh machine first installs sshd and rsync with apt-get
 NODES_TIMEOUT_S = 300
-
-
-def _why_not() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux's"
-    if os.geteuid() != 0:
-        return "needs root: network namespaces, a bridge and sshd"
-    if not (shutil.which("ip") and shutil.which("unshare")):
-        return "needs iproute2 and util-linux (ip, unshare)"
-    probe = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount", "true"], capture_output=True)
-    if probe.returncode != 0:
-        return f"this machine does not allow new namespaces: {probe.stderr.decode().strip()}"
-    return None
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))]
