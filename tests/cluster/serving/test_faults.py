@@ -161,9 +161,11 @@ def test_a_killed_postproc_worker_loses_no_stream(server, client, reference):
     assert again.choices[0].finish_reason == "length"
 
 
-def test_a_soak_of_kills_alters_loses_and_leaks_nothing(server, reference):
+def test_a_soak_of_kills_alters_loses_and_leaks_nothing(server, client, reference):
     """A minute or two of six clients (greedy streams, seeded n=2 requests, clients that leave) while a decode replica,
-    a prefill replica or a postproc worker is SIGKILLed every 1-3 s once the last is back, each at least twice."""
+    a prefill replica or a postproc worker is SIGKILLed every 1-3 s once the last is back, each at least twice. Then
+    the prefill replicas Serve restarted (new NIXL agents on the same node) are met and read from."""
+    agents_before = {e.card.name for e in _directory().entries("prefill")}
     config = SoakConfig(server, APP, "tiny", duration_s=60, faults=("decode", "prefill", "postproc"), concurrency=6,
                         max_tokens=48, interval_s=(1.0, 3.0), seed=1, min_faults_each=2)
     report = run_soak(config, EmbeddedReference(reference))
@@ -176,6 +178,27 @@ def test_a_soak_of_kills_alters_loses_and_leaks_nothing(server, reference):
     assert report.ok, (report.table(), report.lost[:3], report.altered[:5])
     assert all(report.faults.get(kind, 0) >= 2 for kind in config.faults), report.faults
     assert report.requests.get("seeded", 0) >= 4 and report.requests.get("greedy", 0) >= 4, report.requests
+    _restarted_prefill_is_met_and_read_from(client, agents_before)
+
+
+def _restarted_prefill_is_met_and_read_from(client, agents_before: set[str]) -> None:
+    """Every live prefill replica has an agent the soak did not start with, every live decode replica has met it, and
+    a hand-off from it is read over NIXL, not re-prefilled."""
+    directory = _directory()
+
+    def met() -> bool:
+        prefill = {e.card.name for e in directory.entries("prefill")}
+        decode = directory.entries("decode")
+        return bool(prefill) and bool(decode) and all(prefill <= set(e.peers) for e in decode)
+
+    _wait(met, 15, "the decode replicas did not meet the restarted prefill replicas")
+    assert not {e.card.name for e in directory.entries("prefill")} & agents_before
+    read, reprefills = (_role_totals()["decode"].get(k, 0.0) for k in ("kv_bytes_read", "num_reprefills"))
+    got = client.completions.create(model="tiny", prompt="after the soak: " + "a b c " * 20, max_tokens=8,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length"
+    _wait(lambda: _role_totals()["decode"].get("kv_bytes_read", 0.0) > read, 10, "no KV was read from prefill")
+    assert _role_totals()["decode"].get("num_reprefills", 0.0) == reprefills
 
 
 def _direct_starts(server) -> float:
@@ -213,10 +236,14 @@ def test_an_idle_ingress_starts_directly_and_a_killed_decode_replica_loses_none(
 _DIRECTORY: list[Directory] = []  # one reader for the whole module: it tells live entries from those of dead replicas
 
 
-def _role_totals() -> dict[str, dict[str, float]]:
+def _directory() -> Directory:
     if not _DIRECTORY:
         _DIRECTORY.append(Directory(APP))
-    return {role: _DIRECTORY[0].totals(role) for role in ("prefill", "decode")}
+    return _DIRECTORY[0]
+
+
+def _role_totals() -> dict[str, dict[str, float]]:
+    return {role: _directory().totals(role) for role in ("prefill", "decode")}
 
 
 def test_clients_that_leave_leave_nothing_behind(server, client):
