@@ -23,6 +23,7 @@ import ray
 
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.worker import EngineWorker
+from engine.multimodal.embedding_handle import EmbeddingsGone
 from llmapi.disaggregated_params import REQUEST_TYPES, RequestType
 from llmapi.outputs import RequestDelta
 from postproc.pipes import PullPipe, PushPipes, new_pipe_key, tcp_address
@@ -67,17 +68,23 @@ class EngineReplica(EngineWorker):
         """Accepted, then the request's responses (no route) or Done (a route). The first tokens of a
         generation-only request are not repeated (the owner has them from prefill); a context-only request yields
         its final response only: first token per candidate, and a Handoff naming the KV blocks unless every
-        candidate ended there. Cancelling the call aborts the request."""
+        candidate ended there. Cancelling the call aborts the request. Embeddings that can no longer be read (their
+        encoder died, their lease ended) end it with a response whose retry_whole asks the owner to encode the images
+        again, whatever the route: nothing of it reached the engine or a postproc worker."""
         self._check(submit)
         yield self._accepted()
-        if submit.route is None:
-            async with contextlib.aclosing(self._responses(submit)) as responses:  # closed with this call
-                async for rsp in responses:
-                    yield rsp
+        try:
+            if submit.route is None:
+                async with contextlib.aclosing(self._responses(submit)) as responses:  # closed with this call
+                    async for rsp in responses:
+                        yield rsp
+                return
+            async with contextlib.aclosing(self._responses(submit, lambda e: self._route(submit))) as responses:
+                async for _ in responses:
+                    pass
+        except EmbeddingsGone as e:
+            yield RequestDelta(submit.request_id, (), finished=True, error=str(e), retry_whole=True)
             return
-        async with contextlib.aclosing(self._responses(submit, lambda e: self._route(submit))) as responses:
-            async for _ in responses:
-                pass
         yield Done()
 
     async def _responses(self, submit: Submit, on_accept=None) -> AsyncIterator[RequestDelta]:

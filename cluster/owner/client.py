@@ -36,11 +36,18 @@ class ActorRoles:
     async def encode(self, result: RequestOutput, images: tuple) -> DisaggregatedParams:
         if self.encoder_router is None:
             raise ValueError("this client was given no encoder workers: it takes no images")
-        i = self.encoder_router.pick(len(images))
+        router = self.encoder_router
         try:
-            return await self.encoder_router.workers[i].encode.remote(list(images))
+            i = router.pick(len(images), exclude=tuple(i for i, w in enumerate(router.workers) if w in self._dead))
+        except RuntimeError as exc:  # every encoder worker is dead
+            raise NotAccepted(str(exc)) from None
+        try:
+            return await router.workers[i].encode.remote(list(images))
+        except RayActorError:
+            self._dead.add(router.workers[i])
+            raise
         finally:
-            self.encoder_router.release(i, len(images))
+            router.release(i, len(images))
 
     async def call(self, role: str, submit: Submit) -> AsyncIterator:
         if submit.route is not None:

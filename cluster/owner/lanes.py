@@ -33,14 +33,15 @@ class PostprocLost(RuntimeError):
     """The postproc worker carrying a request's tokens is gone (or restarted)."""
 
 
-class PromptKVLost(RuntimeError):
-    """The engine serving a request could not read its prompt's KV and cannot compute the prompt itself
-    (RequestDelta.retry_whole): the owner serves it again whole."""
+class PromptInputsLost(RuntimeError):
+    """The engine serving a request could not read what its prompt needs from another replica (the prompt's KV, its
+    images' embeddings) and cannot compute it itself (RequestDelta.retry_whole): the owner serves it again whole,
+    with fresh embeddings."""
 
 
-def retry_whole(delta: RequestDelta | None) -> PromptKVLost | None:
+def retry_whole(delta: RequestDelta | None) -> PromptInputsLost | None:
     """What to raise instead of applying this engine response, if it asks for the request to be served again."""
-    return PromptKVLost(delta.error) if delta is not None and delta.retry_whole else None
+    return PromptInputsLost(delta.error) if delta is not None and delta.retry_whole else None
 
 
 class LaneWaits:
@@ -52,7 +53,7 @@ class LaneWaits:
 
     async def wait(self, engine_id: int, sink: ResultSink, call: Awaitable[None], num_workers: int) -> None:
         """Runs `call` (the replica call feeding the lane) until the request's final output has arrived. Raises what
-        lost the call, PromptKVLost when the engine asks for the request to be served again whole, or PostprocLost
+        lost the call, PromptInputsLost when the engine asks for the request to be served again whole, or PostprocLost
         when its postproc worker is lost or the final output does not follow the call's end within LANE_GRACE_S."""
         final = asyncio.get_running_loop().create_future()
         self._waiting[engine_id] = (sink, final)
@@ -60,7 +61,7 @@ class LaneWaits:
         try:
             await asyncio.wait({task, final}, return_when=asyncio.FIRST_COMPLETED)
             if final.done():
-                final.result()  # raises PostprocLost or PromptKVLost
+                final.result()  # raises PostprocLost or PromptInputsLost
                 return
             task.result()  # raises what lost the call
             await asyncio.wait_for(asyncio.shield(final), LANE_GRACE_S)

@@ -3,11 +3,13 @@ back into it, and survives the loss of the workers on the way. Where the roles l
 (ActorRoles) or Serve deployments (ServeRoles).
 
 Every role call streams `Accepted` first (the replica's control pipe, where Abort and StopCandidates go). A lost
-prefill worker: the request is served whole on a decode worker. A lost decode worker (or postproc worker), or one that
-could not read the prompt's KV and cannot compute the prompt itself (images whose embeddings only the prefill side
-read): the request is resumed from its candidates' tokens so far on another decode worker, or whole on a prefill worker
-when no decode worker takes it; draws depend only on (seed, candidate, position), so the stream goes on with the tokens
-it would have had. A bounded number of times, then a clear error naming the role.
+prefill worker, or one that could not read the images' embeddings (their encoder died): the request is served whole on
+a decode worker, with fresh embeddings. A lost decode worker (or postproc worker), or one that could not read the
+prompt's KV and cannot compute the prompt itself (images whose embeddings only the prefill side read), or could not
+read the embeddings: the request is resumed from its candidates' tokens so far on another decode worker, or whole on a
+prefill worker when no decode worker takes it; draws depend only on (seed, candidate, position), so the stream goes on
+with the tokens it would have had. An encoder lost during its call is called again. A bounded number of times, then a
+clear error naming the role.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 
 from cluster.owner.control import ControlClient, Holders
 from cluster.owner.direct import DirectStarts, ReplicaGone
-from cluster.owner.lanes import LaneWaits, PostprocLost, PromptKVLost, retry_whole
+from cluster.owner.lanes import LaneWaits, PostprocLost, PromptInputsLost, retry_whole
 from cluster.routing.local_prefill import OwnerLoad
 from llmapi.disaggregated_params import DisaggregatedParams, RequestType
 from llmapi.outputs import RequestDelta, Resume, ResumedCandidate, TokenDelta
@@ -46,7 +48,7 @@ class NotAccepted(RuntimeError):
 
 
 LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, PostprocLost, PostprocUnreachable,
-        NotAccepted, ReplicaGone, PromptKVLost)
+        NotAccepted, ReplicaGone, PromptInputsLost)
 
 
 class Roles(Protocol):
@@ -185,7 +187,7 @@ class RequestOwner:
         """The generation-only params to decode with; None: decode it whole (prefill role lost); False: done."""
         ctx = None
         # Images go to an encoder first; only their handles travel on (DESIGN.md, "One request, end to end").
-        images = await self.roles.encode(s.result, s.images) if s.images else None
+        images = await self._encode(s) if s.images else None
         try:
             async for item in _accepted_within(self.roles.call("prefill", _submit(s, _with_images(images, "context_only"))),
                                                ACCEPT_TIMEOUT_S):
@@ -200,6 +202,10 @@ class RequestOwner:
             return None
         if ctx is None:
             raise RequestError(f"the prefill worker ended request {s.result.request_id} without a response")
+        if ctx.retry_whole:  # its images' embeddings could not be read there: fresh ones, served whole on decode
+            self.counters["prefill_lost"] += 1
+            log.warning("request %d: %s; it is served whole on a decode worker", s.result.request_id, ctx.error)
+            return None
         if ctx.error is not None:
             raise RequestError(ctx.error)
         if self._deliver(s, ctx) or ctx.handoff is None:
@@ -286,6 +292,8 @@ class RequestOwner:
         async for item in _accepted_within(stream, ACCEPT_TIMEOUT_S):
             if isinstance(item, Accepted):
                 self._hold(s, role, item)
+            elif (lost := retry_whole(item)) is not None:
+                raise lost
 
     # ---- what comes back ----
     def _deliver(self, s: _Serving, rsp: RequestDelta) -> bool:
@@ -300,7 +308,20 @@ class RequestOwner:
     async def _whole(self, s: _Serving) -> DisaggregatedParams:
         """What an engine serving the request whole needs of its images: fresh embedding handles (the encoder's
         cache makes a repeat cheap)."""
-        return _with_images(await self.roles.encode(s.result, s.images))
+        return _with_images(await self._encode(s))
+
+    async def _encode(self, s: _Serving) -> DisaggregatedParams:
+        """The embedding handles of the request's images; an encoder replica lost during the call is replaced by
+        another, a bounded number of times."""
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                return await self.roles.encode(s.result, s.images)
+            except LOST as exc:
+                last_error = _lost("encoder", exc)
+                log.warning("request %d: %s (encoder call %d of %d)", s.result.request_id, last_error, attempt + 1,
+                            MAX_ATTEMPTS)
+        raise RequestError(f"the images of request {s.result.request_id} could not be encoded: {last_error} "
+                           f"({MAX_ATTEMPTS} attempts)")
 
 
 
@@ -356,8 +377,8 @@ def _lost(role: str, exc: BaseException) -> str:
     """What happened, in words that name the role and never a pid, an actor id or an address."""
     if isinstance(exc, (PostprocLost, PostprocUnreachable)):
         return "its postproc worker was lost"
-    if isinstance(exc, PromptKVLost):
-        return f"its {role} worker could not read the prompt's KV and cannot compute the prompt itself"
+    if isinstance(exc, PromptInputsLost):
+        return f"its {role} worker could not read the prompt's KV or its images' embeddings"
     if isinstance(exc, NotAccepted):
         return f"no {role} worker took it within {ACCEPT_TIMEOUT_S} s"
     return f"its {role} worker was lost"

@@ -19,6 +19,12 @@ from llmapi.disaggregated_params import MultimodalEmbeddingHandle
 _CONTEXT = b"raypd.embedding_handle.v1"
 
 
+class EmbeddingsGone(ValueError):
+    """The embeddings a valid handle names can no longer be read: its lease ended, its slot was refilled, or its
+    encoder is gone or unreachable. Encoding the images again (fresh handles) is the way on; a request owner does
+    that and serves the request again (RequestDelta.retry_whole)."""
+
+
 @dataclass(frozen=True)
 class EmbeddingHandle:
     agent: str  # the encoder's transport name

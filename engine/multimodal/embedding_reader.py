@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.multimodal.embedding_handle import EmbeddingHandle
+from engine.multimodal.embedding_handle import EmbeddingHandle, EmbeddingsGone
 from engine.kv.kv_handle import release_message
 from engine.kv.kv_transfer import GENERATIONS, NixlTransport, TransferError
 from llmapi.disaggregated_params import MultimodalEmbeddingHandle
@@ -84,11 +84,11 @@ class EmbeddingReader:
         left = handle.lease_deadline - time.time()
         if left < LEASE_MARGIN_S:
             state = f"expired {-left:.1f} s ago" if left < 0 else f"has {left:.2f} s left, too little to read it"
-            raise ValueError(f"{where}: the embedding handle's lease {state}; encode the image again")
+            raise EmbeddingsGone(f"{where}: the embedding handle's lease {state}; encode the image again")
 
     def read(self, handles: Sequence[EmbeddingHandle]) -> list[torch.Tensor]:
-        """Each opened handle's (num_tokens, hidden_size) embeddings, read within timeout_s. Raises ValueError if a
-        slot was refilled meanwhile, TransferError if the encoder cannot be read."""
+        """Each opened handle's (num_tokens, hidden_size) embeddings, read within timeout_s. Raises EmbeddingsGone (a
+        ValueError) if a slot was refilled meanwhile or the encoder cannot be read."""
         start = time.monotonic()
         deadline = start + self.timeout_s
         with self._lock:
@@ -103,7 +103,7 @@ class EmbeddingReader:
         for i, handle in enumerate(handles):
             data, generation = got[(handle.agent, handle.slot)]
             if generation != handle.generation:
-                raise ValueError(f"multimodal_embedding_handles[{i}]: the encoder evicted these embeddings and "
+                raise EmbeddingsGone(f"multimodal_embedding_handles[{i}]: the encoder evicted these embeddings and "
                                  "refilled their slot before they were read (the lease had ended); encode the image "
                                  "again")
             out.append(data)
@@ -113,7 +113,7 @@ class EmbeddingReader:
         try:
             self.transport.connect(agent, group[0].transport_info)
         except (TransferError, ValueError) as e:
-            raise TransferError(f"cannot reach the encoder that holds the embeddings ({agent!r}): {e}") from e
+            raise EmbeddingsGone(f"cannot reach the encoder that holds the embeddings ({agent!r}): {e}") from e
         slots = list(dict.fromkeys(h.slot for h in group))  # the same image twice is read once
         got = {}
         size = self.scratch.shape[0]
@@ -128,7 +128,7 @@ class EmbeddingReader:
             self.transport.wait(self.transport.start_read(agent, slots, local, b""), deadline)
             self.transport.wait(self.transport.start_read(agent, slots, local, b"", region=GENERATIONS), deadline)
         except TransferError as e:
-            raise TransferError(f"reading image embeddings from encoder {agent!r} failed: {e}") from e
+            raise EmbeddingsGone(f"reading image embeddings from encoder {agent!r} failed: {e}") from e
         generations = self.transport.generation_scratch[local].tolist()
         self.bytes_read += len(slots) * self.scratch[0].nbytes
         data = self.scratch[:len(slots)].clone()  # (n, tokens, hidden): one copy out; the scratch is reused next

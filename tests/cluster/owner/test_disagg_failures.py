@@ -113,6 +113,46 @@ def test_an_image_prompt_whose_prefill_dies_before_the_read_is_served_again_whol
         workers.kill()
 
 
+class EncoderDiesAfterEncoding:
+    """The owner's roles, except that the first encoder worker is killed as soon as it has encoded the request's
+    images: the prefill side cannot read the embeddings its handles name."""
+
+    def __init__(self, roles, encoder):
+        self.roles, self.encoder, self.colocated = roles, encoder, False
+        self.pid = ray.get(encoder.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+        self.killed = False
+
+    async def encode(self, result, images):
+        handles = await self.roles.encode(result, images)
+        if not self.killed:
+            self.killed = True
+            ray.kill(self.encoder)
+            _wait_gone(self.pid)
+        return handles
+
+    def call(self, role, submit):
+        return self.roles.call(role, submit)
+
+
+def test_an_image_prompt_whose_encoder_dies_before_the_prefill_read_is_encoded_again(ray_cluster, llava_factory):
+    llava = str(llava_factory())
+    params = SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=3, ignore_eos=True)
+    prompt = mm(*case("two", seed=6))
+    with LLM(llava, block_size=4) as embedded:
+        ref = embedded.generate(prompt, params)
+    workers = start_workers(llava, CONFIG, encoder=EncoderConfig(num_slots=8, num_threads=1), num_encoder=2)
+    try:
+        with DisaggregatedClient(workers.prefill, workers.decode, llava, request_timeout_s=60,
+                                 encoder=workers.encoder) as client:
+            roles = client.owner.roles = EncoderDiesAfterEncoding(client.owner.roles, workers.encoder[0])
+            got = client.generate(prompt, params, timeout=60)
+        assert roles.killed and client.owner.counters["prefill_lost"] == 1  # served whole, encoded again
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in ref.outputs]
+        pools_full(workers.decode + workers.prefill)
+    finally:
+        workers.kill()
+
+
 def test_incompatible_engines_are_refused_when_they_meet(ray_cluster, tiny_llama, model_factory):
     a = start_workers(tiny_llama, CONFIG, num_prefill=1, num_decode=0)
     b = start_workers(model_factory("qwen3"), CONFIG, num_prefill=0, num_decode=1)
