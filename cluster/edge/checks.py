@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException
 
 from cluster.config import LimitsSettings, RaypdConfig
@@ -157,7 +158,10 @@ class EdgeGate:
 
         async def counted():
             nonlocal seen
-            message = await receive()
+            try:
+                message = await receive()
+            except TaskCancelledError:  # Serve's word that the client left: ASGI's is a disconnect message, which
+                return {"type": "http.disconnect"}  # ends a streaming response quietly instead of failing its task
             seen += len(message.get("body", b""))
             if seen > limit:
                 raise _TooLarge(limit)
