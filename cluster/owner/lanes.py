@@ -39,9 +39,10 @@ class PromptInputsLost(RuntimeError):
     with fresh embeddings."""
 
 
-def retry_whole(delta: RequestDelta | None) -> PromptInputsLost | None:
-    """What to raise instead of applying this engine response, if it asks for the request to be served again."""
-    return PromptInputsLost(delta.error) if delta is not None and delta.retry_whole else None
+def retry_whole(item) -> PromptInputsLost | None:
+    """What to raise instead of applying this item of a replica's stream, if it is an engine response asking for the
+    request to be served again."""
+    return PromptInputsLost(item.error) if isinstance(item, RequestDelta) and item.retry_whole else None
 
 
 class LaneWaits:
