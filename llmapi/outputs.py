@@ -144,9 +144,9 @@ class RequestDelta:
 
     finished: every candidate has finished. handoff: this engine is done with the request but it goes on (a
     context-only request's hand-off). Either way nothing more comes for the request from this engine (`final`).
-    retry_whole: the error is one the request's owner recovers from by serving the request again whole elsewhere
-    (the prompt KV this engine was to read is gone and it cannot compute the prompt itself: its images' embeddings
-    were read on the prefill side only).
+    retry_whole: the error is one the request's owner recovers from by serving the request again whole elsewhere:
+    what this engine was to read from another replica is gone (the prompt's KV, when it cannot compute the prompt
+    itself because the images' embeddings were read on the prefill side only; or the images' embeddings).
     """
 
     request_id: int

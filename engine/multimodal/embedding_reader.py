@@ -103,9 +103,9 @@ class EmbeddingReader:
         for i, handle in enumerate(handles):
             data, generation = got[(handle.agent, handle.slot)]
             if generation != handle.generation:
-                raise EmbeddingsGone(f"multimodal_embedding_handles[{i}]: the encoder evicted these embeddings and "
-                                 "refilled their slot before they were read (the lease had ended); encode the image "
-                                 "again")
+                raise EmbeddingsGone(f"multimodal_embedding_handles[{i}]: the encoder evicted these embeddings "
+                                     "and refilled their slot before they were read (the lease had ended); encode "
+                                     "the image again")
             out.append(data)
         return out
 

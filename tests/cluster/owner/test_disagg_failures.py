@@ -91,12 +91,17 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> None:
     raise AssertionError(f"process {pid} still runs {timeout} s after ray.kill")
 
 
-def test_an_image_prompt_whose_prefill_dies_before_the_read_is_served_again_whole(ray_cluster, llava_factory):
+def _image_request(llava_factory, seed: int, image_seed: int):
+    """A tiny LLaVA, a seeded n=2 request with two images, and the embedded engine's answer to it."""
     llava = str(llava_factory())
-    params = SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=7, ignore_eos=True)
-    prompt = mm(*case("two", seed=5))
+    params = SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=seed, ignore_eos=True)
+    prompt = mm(*case("two", seed=image_seed))
     with LLM(llava, block_size=4) as embedded:
-        ref = embedded.generate(prompt, params)
+        return llava, params, prompt, embedded.generate(prompt, params)
+
+
+def test_an_image_prompt_whose_prefill_dies_before_the_read_is_served_again_whole(ray_cluster, llava_factory):
+    llava, params, prompt, ref = _image_request(llava_factory, seed=7, image_seed=5)
     workers = start_workers(llava, CONFIG, encoder=EncoderConfig(num_slots=8, num_threads=1))
     try:
         with DisaggregatedClient(workers.prefill, workers.decode, llava, request_timeout_s=60,
@@ -135,11 +140,7 @@ class EncoderDiesAfterEncoding:
 
 
 def test_an_image_prompt_whose_encoder_dies_before_the_prefill_read_is_encoded_again(ray_cluster, llava_factory):
-    llava = str(llava_factory())
-    params = SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=3, ignore_eos=True)
-    prompt = mm(*case("two", seed=6))
-    with LLM(llava, block_size=4) as embedded:
-        ref = embedded.generate(prompt, params)
+    llava, params, prompt, ref = _image_request(llava_factory, seed=3, image_seed=6)
     workers = start_workers(llava, CONFIG, encoder=EncoderConfig(num_slots=8, num_threads=1), num_encoder=2)
     try:
         with DisaggregatedClient(workers.prefill, workers.decode, llava, request_timeout_s=60,
