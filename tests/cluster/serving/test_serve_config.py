@@ -73,12 +73,26 @@ def served(tmp_path_factory):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, work / "serve-run.log", START_TIMEOUT_S)
+        _wait_serving(base, START_TIMEOUT_S)
         yield {"base": base, "proc": proc, "work": work, "env": env}
     finally:
         _stop(proc, work)
         for pid in processes_in(work):  # anything serve run failed to stop: the test below reports it
             os.kill(pid, signal.SIGKILL)
 
+
+
+def _wait_serving(base: str, timeout: float) -> None:
+    """/health answers 200 before the engine replicas have registered (a role never seen is not missing), and
+    Serve may still be initializing them: a request then fails after 4 calls nobody took. Wait for one to work."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = httpx.post(f"{base}/v1/completions", timeout=60,
+                         json={"model": "tiny-llava", "prompt": "ready?", "max_tokens": 1})
+        if got.status_code == 200:
+            return
+        assert time.monotonic() < deadline, f"no completion served in {timeout} s: {got.status_code} {got.text}"
+        time.sleep(1.0)
 
 
 @pytest.fixture(scope="module")
