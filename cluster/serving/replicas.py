@@ -6,10 +6,9 @@ it finds there before it serves (and each one Serve adds later, within a period)
 when they meet, not at the first transfer.
 
 A prefill or encoder replica that Serve stops (a scale-down, a redeploy) leaves the directory, then waits until what it
-leased (KV blocks, image embeddings) has been read or released, at most the lease (`drain`), while replicas that
-could read them are still listed: Serve sends it no new calls meanwhile, so no request re-prefills because of a
-scale-down, and an application that stops whole does not wait for leases nobody is left to read. Its deployment's
-graceful_shutdown_timeout_s leaves room for that (cluster/serving/app.py).
+leased (KV blocks, image embeddings) has been read or released, at most the lease (`drain`): Serve sends it no new
+calls meanwhile, so no request re-prefills because of a scale-down. Its deployment's graceful_shutdown_timeout_s
+leaves room for that (cluster/serving/app.py).
 """
 
 from __future__ import annotations
@@ -42,23 +41,16 @@ _POSTPROC_CALL_S = 2.0
 DRAIN_MARGIN_S = 2.0  # past the lease: an expired lease is noticed at the engine's next look
 
 
-async def drain(worker: EngineWorker | EncoderWorker, what: str, within_s: float, directory: Directory,
-                readers: tuple[str, ...]) -> None:
-    """Waits until the worker's stat `what` (its leases) is 0, at most within_s, while a replica of the roles that
-    read them is still in the directory (when the whole application stops, its readers leave too: nothing to wait
-    for); says so if leases are still held at the deadline."""
+async def drain(worker: EngineWorker | EncoderWorker, what: str, within_s: float) -> None:
+    """Waits until the worker's stat `what` (its leases) is 0, at most within_s, then says so if it is not."""
     deadline, held = time.monotonic() + within_s, 0.0
     while time.monotonic() < deadline:
         held = (await asyncio.to_thread(worker.stats)).get(what, 0.0)
-        if not held or not await asyncio.to_thread(_any_listed, directory, readers):
+        if not held:
             return
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.1)
     log.warning("stopping with %d %s still held after %.0f s (their requests re-prefill or fail as after a lost "
                 "replica)", held, what, within_s)
-
-
-def _any_listed(directory: Directory, roles: tuple[str, ...]) -> bool:
-    return any(directory.entries(role) for role in roles)
 
 
 def postproc_addrs(postprocs: list, timeout: float = 60.0) -> list[PipeAddr]:
@@ -196,8 +188,7 @@ class PrefillReplica(RayRanks, PrefillWorker):
     async def __del__(self):  # Serve awaits it when it stops the replica
         if hasattr(self, "_membership"):
             self._membership.leave()
-            await drain(self, "kv_leases", self.loop.engine.config.kv_lease_s + DRAIN_MARGIN_S,
-                        self._membership.directory, ("decode",))
+            await drain(self, "kv_leases", self.loop.engine.config.kv_lease_s + DRAIN_MARGIN_S)
 
 
 class DecodeReplica(RayRanks, DecodeWorker):
@@ -227,5 +218,4 @@ class EncoderReplica(EncoderWorker):
     async def __del__(self):  # Serve awaits it when it stops the replica
         if hasattr(self, "_membership"):
             self._membership.leave()
-            await drain(self, "encoder_leases", self._lease_s + DRAIN_MARGIN_S, self._membership.directory,
-                        ("prefill", "decode"))  # decode reads embeddings when it serves a request whole
+            await drain(self, "encoder_leases", self._lease_s + DRAIN_MARGIN_S)
