@@ -4,20 +4,13 @@ directory.
 A replica publishes its engine card and stats every directory.PERIOD_S. A decode replica meets every prefill replica
 it finds there before it serves (and each one Serve adds later, within a period), so an incompatible pair is refused
 when they meet, not at the first transfer.
-
-A prefill or encoder replica that Serve stops (a scale-down, a redeploy) leaves the directory, then waits until what it
-leased (KV blocks, image embeddings) has been read or released, at most the lease (`drain`): Serve sends it no new
-calls meanwhile, so no request re-prefills because of a scale-down. Its deployment's graceful_shutdown_timeout_s
-leaves room for that (cluster/serving/app.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
-import time
 
 import ray
 from ray import serve
@@ -38,19 +31,6 @@ log = logging.getLogger(__name__)
 
 
 _POSTPROC_CALL_S = 2.0
-DRAIN_MARGIN_S = 2.0  # past the lease: an expired lease is noticed at the engine's next look
-
-
-async def drain(worker: EngineWorker | EncoderWorker, what: str, within_s: float) -> None:
-    """Waits until the worker's stat `what` (its leases) is 0, at most within_s, then says so if it is not."""
-    deadline, held = time.monotonic() + within_s, 0.0
-    while time.monotonic() < deadline:
-        held = (await asyncio.to_thread(worker.stats)).get(what, 0.0)
-        if not held:
-            return
-        await asyncio.sleep(0.1)
-    log.warning("stopping with %d %s still held after %.0f s (their requests re-prefill or fail as after a lost "
-                "replica)", held, what, within_s)
 
 
 def postproc_addrs(postprocs: list, timeout: float = 60.0) -> list[PipeAddr]:
@@ -185,10 +165,9 @@ class PrefillReplica(RayRanks, PrefillWorker):
     def record_routing_stats(self) -> dict:
         return routing_stats(self, "prefill")
 
-    async def __del__(self):  # Serve awaits it when it stops the replica
+    def __del__(self):
         if hasattr(self, "_membership"):
             self._membership.leave()
-            await drain(self, "kv_leases", self.loop.engine.config.kv_lease_s + DRAIN_MARGIN_S)
 
 
 class DecodeReplica(RayRanks, DecodeWorker):
@@ -213,9 +192,7 @@ class EncoderReplica(EncoderWorker):
     def __init__(self, model_dir: str, config: EncoderConfig):
         super().__init__(model_dir, config)
         self._membership = Membership(self, "encoder", None, [])
-        self._lease_s = config.lease_s
 
-    async def __del__(self):  # Serve awaits it when it stops the replica
+    def __del__(self):
         if hasattr(self, "_membership"):
             self._membership.leave()
-            await drain(self, "encoder_leases", self._lease_s + DRAIN_MARGIN_S)

@@ -316,35 +316,6 @@ def test_live_rescale_of_decode_under_streaming_load(server, client, tiny_llama)
         time.sleep(0.3)
 
 
-def test_a_rescale_of_prefill_to_one_under_load_reprefills_nothing(server, client, tiny_llama):
-    """Serve stops one of the two prefill replicas while prompts arrive: it leaves the directory and waits until the
-    decode side has read what it leased (replicas.drain), so no hand-off falls back to prefilling on the decode side."""
-    directory = Directory("raypd")
-    reprefills = lambda: directory.totals("decode").get("num_reprefills", 0.0)  # noqa: E731
-    before = reprefills()
-    failures, done = [], []
-
-    def one(i: int) -> None:
-        try:
-            got = client.completions.create(model="tiny", prompt=f"scale down {i}: " + "one two three " * 25,
-                                            max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
-            done.append(got.choices[0].finish_reason == "length")
-        except Exception as exc:  # collected: the test asserts there are none
-            failures.append(repr(exc))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    serve.run(build_from_config(_config(tiny_llama, server[1], decode_replicas=2, prefill_replicas=1)),
-              name="raypd", route_prefix="/")
-    for t in threads:
-        t.join(timeout=120)
-    assert not failures and all(done) and len(done) == 16, failures
-    assert serve.status().applications["raypd"].deployments["prefill"].replica_states.get("RUNNING") == 1
-    assert reprefills() - before == 0
-
-
 def test_a_request_that_ends_at_prefill_frees_the_prefill_blocks_at_once(client):
     got = client.completions.create(model="tiny", prompt="just one", max_tokens=1, temperature=0)
     assert got.choices[0].finish_reason == "length"
