@@ -15,12 +15,13 @@ from ray.experimental import internal_kv
 from cluster.config import RaypdConfig, Role, load_config, parse_config
 from cluster.serving.health import Health, health_route
 from cluster.edge.ingress import Ingress
-from cluster.serving.replicas import DecodeReplica, EncoderReplica, PrefillReplica
+from cluster.serving.replicas import DRAIN_MARGIN_S, DecodeReplica, EncoderReplica, PrefillReplica
 from cluster.routing.request_router import router_config
 from postproc.actor import PostprocActor
 
 _KEY_NAME = b"raypd/cluster_key"
 _START_TIMEOUT_S = 120.0
+_SERVE_SHUTDOWN_S = 5.0  # Serve's own part of stopping a replica, past the user's __del__
 POSTPROC_NAMESPACE = "raypd"
 
 
@@ -49,7 +50,10 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     ray.get([p.pull_pipe_addr.remote() for p in postprocs], timeout=_START_TIMEOUT_S)  # all started
     routing = router_config(config.router.policy.value)
     extra = {"request_router_config": routing} if routing is not None else {}
-    prefill = serve.deployment(PrefillReplica, name="prefill").options(**engine_role_options(config.prefill), **extra)
+    # A stopping prefill replica waits for its leased KV to be read (replicas.drain): Serve must not kill it sooner.
+    prefill = serve.deployment(PrefillReplica, name="prefill").options(
+        **engine_role_options(config.prefill), **extra,
+        graceful_shutdown_timeout_s=config.engine.kv_lease_s + DRAIN_MARGIN_S + _SERVE_SHUTDOWN_S)
     decode = serve.deployment(DecodeReplica, name="decode").options(**engine_role_options(config.decode), **extra)
     ingress_options = config.ingress.deployment_options()
     if "max_ongoing_requests" not in config.ingress.model_fields_set:
@@ -85,7 +89,9 @@ def encoder_app(config: RaypdConfig, key: bytes):
 
     if not config.has_vision_tower or load_vision_spec(config.model) is None:
         return None
-    encoder = serve.deployment(EncoderReplica, name="encoder").options(**config.encoder.deployment_options())
+    encoder = serve.deployment(EncoderReplica, name="encoder").options(
+        **config.encoder.deployment_options(),  # a stopping one waits for its leased embeddings to be read
+        graceful_shutdown_timeout_s=config.multimodal.embedding_lease_s + DRAIN_MARGIN_S + _SERVE_SHUTDOWN_S)
     return encoder.bind(config.model, config.encoder_config(key))
 
 

@@ -4,16 +4,26 @@ directory.
 A replica publishes its engine card and stats every directory.PERIOD_S. A decode replica meets every prefill replica
 it finds there before it serves (and each one Serve adds later, within a period), so an incompatible pair is refused
 when they meet, not at the first transfer.
+
+A prefill or encoder replica that Serve stops (a scale-down, a redeploy) leaves the directory, then waits until what it
+leased (KV blocks, image embeddings) has been read or released, at most the lease (`drain`): Serve sends it no new
+calls meanwhile, so no request re-prefills because of a scale-down. Its deployment's graceful_shutdown_timeout_s
+leaves room for that (cluster/serving/app.py). When the whole application stops (`serve delete`, Ctrl-C on `serve
+run`) nobody is left to read them, and it stops at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
+import time
+from typing import Callable, TypeVar
 
 import ray
 from ray import serve
+from ray.serve.schema import ApplicationStatus
 
 from cluster.serving.directory import PERIOD_S, Directory
 from cluster.routing.policy import replica_state
@@ -31,6 +41,38 @@ log = logging.getLogger(__name__)
 
 
 _POSTPROC_CALL_S = 2.0
+DRAIN_MARGIN_S = 2.0  # past the lease: an expired lease is noticed at the engine's next look
+_DRAIN_LOOK_S = 2.0
+_DRAIN_POLL_S = 0.2
+T = TypeVar("T")
+
+
+async def drain(held: Callable[[], int], what: str, within_s: float, app: str) -> None:
+    """Waits until held() (the replica's leases) is 0, at most within_s, unless application `app` is being deleted.
+    Every look is bounded (_DRAIN_LOOK_S) and the first that fails or runs late ends the drain: it may leave leases
+    unread (their requests re-prefill, as after a lost replica), never hold up a stop past its bound."""
+    deadline, left = time.monotonic() + within_s, 0
+    try:
+        while (left := await _look(held)) and time.monotonic() < deadline:
+            if await _look(lambda: _deleting(app)):
+                return
+            await asyncio.sleep(_DRAIN_POLL_S)
+    except Exception as exc:  # the engine, Ray or Serve is going away: nothing left to wait for
+        log.info("stopping without waiting for %s: %r", what, exc)
+        return
+    if left:
+        log.warning("stopping with %d %s still held after %.0f s (their requests re-prefill or fail as after a lost "
+                    "replica)", left, what, within_s)
+
+
+async def _look(fn: Callable[[], T]) -> T:
+    return await asyncio.wait_for(asyncio.to_thread(fn), _DRAIN_LOOK_S)
+
+
+def _deleting(app: str) -> bool:
+    """Whether Serve is deleting application `app` (or has: it is gone), as its controller says."""
+    found = serve.status().applications.get(app)
+    return found is None or found.status == ApplicationStatus.DELETING
 
 
 def postproc_addrs(postprocs: list, timeout: float = 60.0) -> list[PipeAddr]:
@@ -165,9 +207,12 @@ class PrefillReplica(RayRanks, PrefillWorker):
     def record_routing_stats(self) -> dict:
         return routing_stats(self, "prefill")
 
-    def __del__(self):
+    async def __del__(self):  # Serve awaits it when it stops the replica
         if hasattr(self, "_membership"):
             self._membership.leave()
+            config = self.loop.engine.config
+            await drain(lambda: self.loop.call(lambda e: e.connector.stats().leases, timeout=_DRAIN_LOOK_S),
+                        "KV leases", config.kv_lease_s + DRAIN_MARGIN_S, self._membership.directory.app)
 
 
 class DecodeReplica(RayRanks, DecodeWorker):
@@ -192,7 +237,10 @@ class EncoderReplica(EncoderWorker):
     def __init__(self, model_dir: str, config: EncoderConfig):
         super().__init__(model_dir, config)
         self._membership = Membership(self, "encoder", None, [])
+        self._lease_s = config.lease_s
 
-    def __del__(self):
+    async def __del__(self):  # Serve awaits it when it stops the replica
         if hasattr(self, "_membership"):
             self._membership.leave()
+            await drain(lambda: self.engine.stats()["encoder_leases"], "embedding leases",
+                        self._lease_s + DRAIN_MARGIN_S, self._membership.directory.app)

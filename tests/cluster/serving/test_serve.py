@@ -18,11 +18,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ray
 
-from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
+from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config, cluster_key
 from cluster.config import parse_config
 from cluster.edge.chat_template import ChatTemplate
 from cluster.edge.openai_protocol import ChatCompletionRequest
 from cluster.serving.directory import Directory
+from engine.kv.kv_handle import KVHandle
+from llmapi.disaggregated_params import DisaggregatedParams
+from protocol import Submit
 from raypd import LLM, GuidedDecodingParams, SamplingParams
 from tests.teach import teach
 
@@ -316,6 +319,74 @@ def test_live_rescale_of_decode_under_streaming_load(server, client, tiny_llama)
         time.sleep(0.3)
 
 
+def test_a_rescale_of_prefill_to_one_under_load_reprefills_nothing(server, client, tiny_llama, reference):
+    """Both prefill replicas hold KV nobody has read yet when a redeploy with one prefill replica stops them while
+    prompts arrive (an in-process redeploy replaces every replica; a YAML rescale would stop one). A stopping replica
+    leaves the directory, then waits until its leases are read (replicas.drain): the KV is read from it afterwards, by
+    an engine of our own, with no re-prefill and the same tokens. Serve's own drain waits only for calls in flight:
+    without ours, the replica would be gone about 2 s after its last call."""
+    config = _config(tiny_llama, server[1], decode_replicas=2, prefill_replicas=1)
+    directory = Directory("raypd")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    held = _lease_on_every_prefill_replica(directory, reference, params)
+    old = {e.card.name for e in directory.entries("prefill")}
+    failures, done = [], []
+
+    def one(i: int) -> None:
+        try:
+            got = client.completions.create(model="tiny", prompt=f"scale down {i}: " + "one two three " * 25,
+                                            max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+            done.append(got.choices[0].finish_reason == "length")
+        except Exception as exc:  # collected: the test asserts there are none
+            failures.append(repr(exc))
+
+    rescale = threading.Thread(target=serve.run, args=(build_from_config(config),),
+                               kwargs=dict(name="raypd", route_prefix="/"))
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads[:8] + [rescale] + threads[8:]:
+        t.start()
+        time.sleep(0.05)
+    by_replica: dict[str, list] = {}
+    for ids, ctx in held:
+        by_replica.setdefault(KVHandle.open(ctx.handoff.opaque_state, cluster_key()).agent, []).append((ids, ctx))
+    assert set(by_replica) == old
+    with LLM(tiny_llama, engine_config=config.engine_config(cluster_key(), "decode"), kv_transfer="nixl") as reader:
+        deadline = time.monotonic() + 90
+        while by_replica:  # Serve stops the old replicas one after the other
+            listed = {e.card.name for e in directory.entries("prefill")}
+            for name in [n for n in by_replica if n not in listed]:  # it left: it drains now
+                time.sleep(3.0)  # past Serve's own drain loop
+                for ids, ctx in by_replica.pop(name):
+                    got = reader.generate(ids, params, disaggregated_params=ctx.handoff.generation_params())
+                    assert got.outputs[0].token_ids == reference.generate(ids, params).outputs[0].token_ids
+            assert time.monotonic() < deadline, f"Serve did not stop the prefill replicas {sorted(by_replica)}"
+            time.sleep(0.2)
+        assert reader.loop.call(lambda e: e.stats())["num_reprefills"] == 0
+    for t in threads + [rescale]:
+        t.join(timeout=120)
+    assert not failures and all(done) and len(done) == 16, failures
+    assert serve.status().applications["raypd"].deployments["prefill"].replica_states.get("RUNNING") == 1
+
+
+def _lease_on_every_prefill_replica(directory: Directory, reference, params) -> list:
+    """Context-only requests sent straight to the prefill replicas, a few at once (the router spreads what is in
+    flight), until each replica holds a lease nobody has read: their (prompt ids, final response) pairs."""
+    prefill = serve.get_deployment_handle("prefill", "raypd").options(stream=True)
+    held, leases = [], []
+    for round_ in range(4):
+        prompts = [reference.tokenizer.encode(f"leased {round_} {i}: " + "four five six " * 8) for i in range(6)]
+        calls = [prefill.serve.remote(Submit(9000 + 10 * round_ + i, ids, params, DisaggregatedParams("context_only")))
+                 for i, ids in enumerate(prompts)]
+        held += [(ids, list(call)[-1]) for ids, call in zip(prompts, calls)]
+        deadline = time.monotonic() + 3.0  # stats reach the directory every period
+        while time.monotonic() < deadline:
+            leases = [e.stats.get("kv_leases", 0) for e in directory.entries("prefill")]
+            if len(leases) == 2 and all(leases):
+                return held
+            time.sleep(0.3)
+    pytest.fail(f"the prefill replicas never both held a lease: {leases}")
+
+
 def test_a_request_that_ends_at_prefill_frees_the_prefill_blocks_at_once(client):
     got = client.completions.create(model="tiny", prompt="just one", max_tokens=1, temperature=0)
     assert got.choices[0].finish_reason == "length"
@@ -469,3 +540,20 @@ def test_loglikelihood_requests_as_evaluation_harnesses_send_them(client, refere
     assert "".join(c.choices[0].text for c in stream if c.choices) == "Echo only"
     with pytest.raises(openai.BadRequestError, match="max_tokens 0 generates nothing"):
         client.completions.create(model="tiny", prompt="x", max_tokens=0)
+
+
+def test_deleting_the_app_does_not_wait_for_kv_nobody_will_read(server, tiny_llama):
+    """The last test here (it deletes the app): a prefill replica holding a lease when the whole application stops
+    stops at once (replicas.drain sees the app deleting), not at the end of the lease (30 s here)."""
+    ids = AutoTokenizer.from_pretrained(tiny_llama).encode("held " * 20)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prefill = serve.get_deployment_handle("prefill", "raypd").options(stream=True)
+    responses = list(prefill.serve.remote(Submit(77, ids, params, DisaggregatedParams("context_only"))))
+    assert responses[-1].handoff is not None  # its KV is leased, and nobody will read it
+    directory, deadline = Directory("raypd"), time.monotonic() + 10
+    while not directory.totals("prefill").get("kv_leases"):
+        assert time.monotonic() < deadline, "the prefill replica's lease never showed in the directory"
+        time.sleep(0.2)
+    start = time.monotonic()
+    serve.delete("raypd")
+    assert time.monotonic() - start < 15
