@@ -54,7 +54,7 @@ def test_local_config_is_the_single_node_default(workdir):
     assert config.decode.deployment_options()["num_replicas"] == 1
     router = config.router
     assert (router.max_local_prefill_tokens, router.max_prefill_backlog_tokens, router.local_prefill_when_idle) == (
-        0, 2048, True)
+        0, 4096, True)
     assert config.tool_call_parser == "hermes"
     (workdir / "models" / "text").mkdir()
     (workdir / "models" / "text" / "config.json").write_text("{}")
