@@ -42,7 +42,8 @@ def _config(model: str, port: int, decode_replicas: int = 1, prefill_replicas: i
     role = {"replicas": 1, "num_cpus": 0}
     return parse_config({
         "model": model, "served_model_name": "tiny", "dtype": "float32",  # token-exact against the embedded LLM
-        "engine": {"block_size": 4, "num_threads": 1, "kv_cache_bytes": "64MiB"},
+        # a lease outlasts every redeploy here (the prefill rescale reads KV leased before it)
+        "engine": {"block_size": 4, "num_threads": 1, "kv_cache_bytes": "64MiB", "kv_lease_s": 60},
         "prefill": {**role, "replicas": prefill_replicas}, "decode": {**role, "replicas": decode_replicas},
         "postproc": {**role, "replicas": 2},
         "ingress": role,
@@ -391,7 +392,7 @@ def test_a_request_that_ends_at_prefill_frees_the_prefill_blocks_at_once(client)
     got = client.completions.create(model="tiny", prompt="just one", max_tokens=1, temperature=0)
     assert got.choices[0].finish_reason == "length"
     prefill = serve.get_deployment_handle("prefill", app_name="raypd")
-    deadline = time.monotonic() + 5.0  # the lease would hold them for 30 s
+    deadline = time.monotonic() + 5.0  # the lease would hold them for 60 s
     while True:
         free, total = prefill.kv_blocks.remote().result(timeout_s=30)
         if free == total:
@@ -544,7 +545,7 @@ def test_loglikelihood_requests_as_evaluation_harnesses_send_them(client, refere
 
 def test_deleting_the_app_does_not_wait_for_kv_nobody_will_read(server, tiny_llama):
     """The last test here (it deletes the app): a prefill replica holding a lease when the whole application stops
-    stops at once (replicas.drain sees the app deleting), not at the end of the lease (30 s here)."""
+    stops at once (replicas.drain sees the app deleting), not at the end of the lease (60 s here)."""
     ids = AutoTokenizer.from_pretrained(tiny_llama).encode("held " * 20)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prefill = serve.get_deployment_handle("prefill", "raypd").options(stream=True)
