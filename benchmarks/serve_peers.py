@@ -17,9 +17,10 @@ default differs from that (vLLM serves a fp32 checkpoint in bf16 on any CPU, emu
 second round with each system's defaults. --dtype float32|bfloat16 runs that dtype only; --dtype defaults the
 defaults only.
 
-`vllm bench serve` (vLLM's own client, from its venv) also runs against raypd's disaggregated endpoint, with the
-openai-chat backend, at each concurrency on random prompts of the same lengths: its TTFT/TPOT print beside `raypd
-bench`'s, a check on the client. `make bench-peers` creates vLLM's venv (see ../shared/BENCH.md for what it needs on
+`vllm bench serve` (vLLM's own client, from its venv) also runs against raypd's disaggregated endpoint at each
+concurrency, twice: with the openai backend (completions, as raypd bench sends them) on prompts from raypd bench's own
+generator, another seed's, and with the openai-chat backend on vLLM's random dataset. Its TTFT/TPOT print beside
+`raypd bench`'s: a check on the client. `make bench-peers` creates vLLM's venv (see ../shared/BENCH.md for what it needs on
 this machine).
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import pathlib
@@ -39,7 +41,7 @@ import time
 import httpx
 
 from benchmarks.client import BenchResult, run_benchmark
-from benchmarks.workload import BenchConfig
+from benchmarks.workload import BenchConfig, make_workload
 from benchmarks.report import format_table, plot_latency_cdfs, write_json
 from cluster.config import RaypdConfig, load_config
 from engine.config import auto_dtype, load_spec, run_dtype
@@ -158,23 +160,34 @@ def _p50(result: BenchResult, metric: str) -> str:
 
 
 def vllm_bench_serve(base: str, config: RaypdConfig, bench: BenchConfig, concurrency: int, vllm_python: str,
-                     api_key: str | None) -> dict:
-    """`vllm bench serve` (openai-chat backend, random prompts of the workload's lengths in tokens) against base;
-    its result JSON (completed, failed, median_ttft_ms, median_tpot_ms, output_throughput, ...)."""
+                     api_key: str | None, backend: str) -> dict:
+    """`vllm bench serve` against base; its result JSON (completed, failed, median_ttft_ms, median_tpot_ms,
+    output_throughput, ...). backend "openai": completions, as raypd bench sends them, on prompts from raypd bench's
+    own generator (vLLM's custom dataset; another seed, so nothing is cached); "openai-chat": chat completions on
+    vLLM's random dataset, in tokens of the workload's lengths."""
     vllm = pathlib.Path(vllm_python).absolute().parent / "vllm"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["VLLM_TARGET_DEVICE"] = "cpu"
     if api_key:
         env["OPENAI_API_KEY"] = api_key
+    seed = bench.seed + 7919 + concurrency
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [str(vllm), "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-               "--base-url", base.removesuffix("/v1"), "--model", config.model_name,
-               "--tokenizer", str(pathlib.Path(config.model).absolute()), "--dataset-name", "random",
-               "--random-input-len", str(round(bench.input_len * TOKENS_PER_WORD)),
-               "--random-output-len", str(bench.output_len), "--num-prompts", str(bench.num_requests),
-               "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(bench.seed + 7919 + concurrency),
-               "--num-warmups", str(bench.num_warmups), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
-               "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
+        cmd = [str(vllm), "bench", "serve", "--backend", backend, "--base-url", base.removesuffix("/v1"),
+               "--model", config.model_name, "--tokenizer", str(pathlib.Path(config.model).absolute()),
+               "--num-prompts", str(bench.num_requests), "--max-concurrency", str(concurrency), "--ignore-eos",
+               "--seed", str(seed), "--num-warmups", str(bench.num_warmups), "--disable-tqdm",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--result-dir", tmp,
+               "--result-filename", "result.json"]
+        if backend == "openai":
+            dataset = pathlib.Path(tmp, "prompts.jsonl")
+            dataset.write_text("".join(json.dumps({"prompt": s.prompt, "output_tokens": s.max_tokens}) + "\n"
+                                       for s in make_workload(dataclasses.replace(bench, seed=seed))))
+            cmd += ["--endpoint", "/v1/completions", "--dataset-name", "custom", "--dataset-path", str(dataset),
+                    "--skip-chat-template", "--disable-shuffle"]
+        else:
+            cmd += ["--endpoint", "/v1/chat/completions", "--dataset-name", "random",
+                    "--random-input-len", str(round(bench.input_len * TOKENS_PER_WORD)),
+                    "--random-output-len", str(bench.output_len)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
         out = pathlib.Path(tmp, "result.json")
         if proc.returncode != 0 or not out.exists():
@@ -247,9 +260,9 @@ def run(args) -> dict[str, dict[str, BenchResult]]:
                         key = dtyped.http.api_key_value()
                         measure(f"raypd {mode}", base, b, concurrencies, key, results[r.name])
                         if mode == "disaggregated" and args.vllm_bench:
-                            for c in concurrencies:
-                                theirs = vllm_bench_serve(base, dtyped, b, c, args.vllm_python, key)
-                                checks.append(client_check(f"[{r.name}] raypd {mode} c={c}",
+                            for c, backend in itertools.product(concurrencies, ("openai", "openai-chat")):
+                                theirs = vllm_bench_serve(base, dtyped, b, c, args.vllm_python, key, backend)
+                                checks.append(client_check(f"[{r.name}] raypd {mode} c={c}, --backend {backend}",
                                                            results[r.name][f"raypd {mode}, c={c}"], theirs))
                                 print("  " + checks[-1], flush=True)
     for line in checks:
