@@ -276,8 +276,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None, help="checkpoint to serve instead of the config's (a text model: "
                                                       "vLLM's CPU venv has no torchvision for image processors)")
     parser.add_argument("--concurrency", default="1,16")
-    # 128: at 16 streams 8 waves, so the first (16 prompts at once) does not make the percentiles; with 32 the two
-    # clients' c=16 TTFT differed by 13-27%, with 128 by 5%.
+    # 128: at 16 streams 8 waves, so the first (16 prompts at once) does not make half the samples, as with 32.
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=256, help="prompt words (~ tokens)")
     parser.add_argument("--output-len", type=int, default=128)
