@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -51,6 +52,7 @@ class Laptop:
         cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "private", "sh", "-c",
                'mount --bind "$0" /tmp && exec "$@"', str(self.dir / "tmp"), self.ray, *args]
         print(f"$ ray {' '.join(args)}", flush=True)
+        start = time.monotonic()
         proc = nodes.start(cmd, cwd=files.REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
         try:
@@ -61,6 +63,7 @@ class Laptop:
             raise TimeoutError(f"ray {args[0]} took over {timeout:.0f} s:\n{out[-4000:]}") from None
         if proc.returncode != 0:
             raise RuntimeError(f"ray {args[0]} failed (exit {proc.returncode}):\n{out[-6000:]}")
+        print(f"  ({time.monotonic() - start:.1f} s)", flush=True)
         return out
 
     def exec_on_head(self, command: str) -> str:
@@ -71,12 +74,14 @@ class Laptop:
         out = self.exec_on_head("ray status")
         return out if " prefill" in out and " decode" in out else None
 
-    def deploy(self, decode_replicas: int) -> None:
-        """configs/cluster/README.md steps 3 and 5: send the serve config to the head, deploy it from there."""
+    def deploy(self, decode_replicas: int, validate: bool = False) -> str:
+        """configs/cluster/README.md steps 3 and 5: send the serve config to the head, deploy it from there (after
+        `raypd validate`, in the same `ray exec`: each ray command costs seconds of its own). Returns the output."""
         local = files.write_yaml(self.dir / "serve.yaml", files.serve_config(decode_replicas))
         self.ray_cli("rsync-up", str(self.cluster), str(local), f"~/raypd/{files.SERVE_CONFIG}")
-        self.exec_on_head(f"cd ~/raypd && export RAYPD_API_KEY={API_KEY} && "
-                          f"raypd serve {files.SERVE_CONFIG} --address auto --detach")
+        check = f"raypd validate {files.SERVE_CONFIG} && " if validate else ""
+        return self.exec_on_head(f"cd ~/raypd && export RAYPD_API_KEY={API_KEY} && {check}"
+                                 f"raypd serve {files.SERVE_CONFIG} --address auto --detach")
 
 
 # ---- checks ----
@@ -160,11 +165,8 @@ def demo(fleet: nodes.Fleet, step) -> None:
     with step("ray exec: ray status, raypd validate, raypd serve --detach"):
         status = wait_for("`ray status` lists the prefill and decode resources", 60, laptop.status_with_roles)
         print("\n".join(line for line in status.splitlines() if re.search(r"\d (CPU|prefill|decode)\s*$", line)))
-        local = files.write_yaml(laptop.dir / "serve.yaml", files.serve_config(1))
-        laptop.ray_cli("rsync-up", str(laptop.cluster), str(local), f"~/raypd/{files.SERVE_CONFIG}")
-        print(laptop.exec_on_head(f"cd ~/raypd && RAYPD_API_KEY={API_KEY} raypd validate {files.SERVE_CONFIG}")
-              .split(f"{files.SERVE_CONFIG}: ok")[-1].split("Shared connection")[0].strip(), flush=True)
-        laptop.deploy(decode_replicas=1)
+        out = laptop.deploy(decode_replicas=1, validate=True)
+        print(out.split(f"{files.SERVE_CONFIG}: ok")[-1].split("Shared connection")[0].strip(), flush=True)
     client = openai.OpenAI(base_url=f"{ENDPOINT}/v1", api_key=API_KEY, timeout=60, max_retries=0)
     with step("completion through the head's port; prefill and decode on their own nodes"):
         wait_for("/health answers 200", DEPLOY_TIMEOUT_S,
@@ -185,8 +187,9 @@ def demo(fleet: nodes.Fleet, step) -> None:
         print(f"the rescale kept {kept} of the {len(old)} replicas it found; Serve replaced the others one at a time")
     with step("ray down, and `ray stop` on each worker (the local provider's ray down stops the head only)"):
         laptop.ray_cli("down", str(laptop.cluster), "-y")
-        for node in (files.PREFILL, files.DECODE):
-            fleet.ssh(node, "source ~/.bashrc && ray stop", timeout=120)
+        with ThreadPoolExecutor(2) as pool:  # each `ray stop` takes seconds: both workers at once
+            list(pool.map(lambda node: fleet.ssh(node, "source ~/.bashrc && ray stop", timeout=120),
+                          (files.PREFILL, files.DECODE)))
         try:
             wait_for("every node without Ray processes", 60, lambda: not any(leftovers(fleet).values()))
         except TimeoutError:
