@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,6 +39,10 @@ def looping_model(model_factory, arch: str) -> str:
     return model_factory(arch, initializer_range=0.05, **FAMILIES[arch][0])
 
 
+def family_prompts(arch: str) -> list[list[int]]:
+    return repetitive_prompts(6, seed=len(arch))
+
+
 def repetitive_prompts(count: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
@@ -65,16 +70,32 @@ def _serve(model: str, spec: SpeculativeConfig | None, params: SamplingParams, p
     return rounds, engine.stats()
 
 
+@pytest.fixture(scope="module")
+def unspeculated(model_factory):
+    """unspeculated(arch, params) -> _serve's rounds without speculation of the family's prompts in its pool: what
+    the n-gram and the draft-model runs of that family are held to, computed once per module (only read)."""
+    done = {}
+
+    def get(arch: str, params: SamplingParams):
+        key = (arch, id(params))  # GREEDY or SEEDED: module constants
+        if key not in done:
+            done[key] = _serve(looping_model(model_factory, arch), None, params, family_prompts(arch),
+                               FAMILIES[arch][1])[0]
+        return done[key]
+
+    return get
+
+
 @pytest.mark.parametrize("arch", list(FAMILIES))
-def test_speculation_gives_the_tokens_and_logprobs_of_decoding_without_it(model_factory, arch):
+def test_speculation_gives_the_tokens_and_logprobs_of_decoding_without_it(model_factory, unspeculated, arch):
     model = looping_model(model_factory, arch)
-    prompts = repetitive_prompts(6, seed=len(arch))
+    prompts = family_prompts(arch)
     pool = FAMILIES[arch][1]
     # Latent attention's decode path pads its queries' contexts, so its logits differ in the last bits with the
     # step's company (docs/reliability.md): a seeded draw near a boundary can flip; greedy tokens hold.
     preempted = hits = 0
     for params in (GREEDY,) if arch in LATENT else (GREEDY, SEEDED):
-        want, plain = _serve(model, None, params, prompts, pool)
+        want = unspeculated(arch, params)
         got, stats = _serve(model, SPEC, params, prompts, pool)
         preempted += stats["num_preemptions"]
         hits += stats["prefix_cache_hit_tokens"]
@@ -234,17 +255,31 @@ def test_speculation_under_tensor_parallelism(model_factory):
     """Two ranks: the other rank runs the verification steps rank 0 plans (each position a decode query)."""
     model = looping_model(model_factory, "llama")
     prompts = repetitive_prompts(3, seed=4)
-    got = {}
-    for spec in (None, SPEC):
-        engine = LLMEngine(model, EngineConfig(block_size=4, kv_cache_bytes=POOL, tensor_parallel_size=2, num_threads=1,
-                                               speculative_config=spec))
-        try:
-            got[spec] = run(engine, {0: [(i, p, GREEDY) for i, p in enumerate(prompts)]})
-            stats = engine.stats()
-        finally:
+    configs = [EngineConfig(block_size=4, kv_cache_bytes=POOL, tensor_parallel_size=2, num_threads=1,
+                            speculative_config=spec) for spec in (None, SPEC)]
+    engines = started_together(model, configs)
+    try:
+        plain, speculating = (run(engine, {0: [(i, p, GREEDY) for i, p in enumerate(prompts)]}) for engine in engines)
+        stats = engines[1].stats()
+    finally:
+        for engine in engines:
             engine.close()
-    assert {r: c[0][0] for r, c in got[SPEC].items()} == {r: c[0][0] for r, c in got[None].items()}
+    assert {r: c[0][0] for r, c in speculating.items()} == {r: c[0][0] for r, c in plain.items()}
     assert stats["spec_accepted_tokens"] > 0
+
+
+def started_together(model: str, configs: list[EngineConfig]) -> list[LLMEngine]:
+    """One LLMEngine per config, built on threads at once: a rank process's start is mostly one core's imports,
+    so two starts side by side take little longer than one."""
+    with ThreadPoolExecutor(len(configs)) as pool:
+        futures = [pool.submit(LLMEngine, model, config) for config in configs]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().close()
+        raise failed[0]
+    return [f.result() for f in futures]
 
 
 def noisy_draft(target: str, out) -> SpeculativeConfig:
@@ -264,17 +299,30 @@ def noisy_draft(target: str, out) -> SpeculativeConfig:
 
 
 @pytest.fixture(scope="module")
-def draft_spec(model_factory, tmp_path_factory) -> SpeculativeConfig:
-    return noisy_draft(looping_model(model_factory, "llama"), tmp_path_factory.mktemp("noisy-draft"))
+def noisy_drafts(model_factory, tmp_path_factory):
+    """noisy_drafts(arch) -> the family's noisy_draft, written once per module."""
+    done = {}
+
+    def get(arch: str) -> SpeculativeConfig:
+        if arch not in done:
+            done[arch] = noisy_draft(looping_model(model_factory, arch), tmp_path_factory.mktemp(f"noisy-draft-{arch}"))
+        return done[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def draft_spec(noisy_drafts) -> SpeculativeConfig:
+    return noisy_drafts("llama")
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_draft_model_gives_the_tokens_of_decoding_without_it(model_factory, draft_spec, params):
+def test_a_draft_model_gives_the_tokens_of_decoding_without_it(model_factory, unspeculated, draft_spec, params):
     """Chunked prefill, preemption and prefix hits, as for n-gram drafts; the draft's own pool is empty after."""
     model = looping_model(model_factory, "llama")
-    prompts = repetitive_prompts(6, seed=2)
-    want, _ = _serve(model, None, params, prompts, 48)
-    config = EngineConfig(block_size=4, num_blocks=48, max_num_batched_tokens=16,
+    prompts = family_prompts("llama")
+    want = unspeculated("llama", params)
+    config = EngineConfig(block_size=4, num_blocks=FAMILIES["llama"][1], max_num_batched_tokens=16,
                           speculative_config=draft_spec)
     engine = LLMEngine(model, config)
     got = [run(engine, {0: [(i, p, params) for i, p in enumerate(prompts)]}) for _ in range(2)]
@@ -317,13 +365,11 @@ def test_a_draft_model_must_share_the_vocabulary(model_factory):
 
 
 @pytest.mark.parametrize("arch", [a for a in FAMILIES if a != "llama"])
-def test_a_draft_model_for_every_family(model_factory, tmp_path, arch):
+def test_a_draft_model_for_every_family(model_factory, unspeculated, noisy_drafts, arch):
     """Greedy tokens and logprobs of decoding without it, chunked and preempted."""
     model = looping_model(model_factory, arch)
-    prompts = repetitive_prompts(6, seed=len(arch))
-    pool = FAMILIES[arch][1]
-    want, _ = _serve(model, None, GREEDY, prompts, pool)
-    got, stats = _serve(model, noisy_draft(model, tmp_path / "draft"), GREEDY, prompts, pool)
+    want = unspeculated(arch, GREEDY)
+    got, stats = _serve(model, noisy_drafts(arch), GREEDY, family_prompts(arch), FAMILIES[arch][1])
     for g, w in zip(got, want):
         for rid, candidates in w.items():
             tokens, logprobs = candidates[0]
@@ -334,11 +380,11 @@ def test_a_draft_model_for_every_family(model_factory, tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", [a for a in FAMILIES if a != "llama"])
-def test_every_family_speculates_on_the_decode_side_of_a_hand_off(model_factory, tmp_path, arch):
+def test_every_family_speculates_on_the_decode_side_of_a_hand_off(model_factory, noisy_drafts, arch):
     """n-gram and draft-model drafts after a NIXL hand-off: the greedy tokens of colocated decoding without them."""
     model = looping_model(model_factory, arch)
     prompt = repetitive_prompts(1, seed=len(arch))[0]
-    draft = noisy_draft(model, tmp_path / "draft")
+    draft = noisy_drafts(arch)
     with LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl") as plain, \
             LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl", speculative_config=SPEC) as ngram, \
             LLM(model, block_size=4, kv_cache_bytes=POOL, kv_transfer="nixl", speculative_config=draft) as drafting:
