@@ -5,6 +5,7 @@ NIXL agents per rank, against colocated tokens."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -18,6 +19,7 @@ from engine.kv.head_reads import head_reads, head_spans
 from engine.kv.kv_cache import KVLayout
 from raypd import LLM, DisaggregatedParams, SamplingParams
 from tests.engine.images import case, mm
+from tests.engine.together import Prestarted, close_together, llms_together, start_together
 from tests.pools import wait_pools_full
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 3, 4, 8, 4
@@ -72,15 +74,17 @@ def test_each_decode_rank_reads_exactly_its_heads(prefill_tp, decode_tp, heads):
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, n=2, seed=3, ignore_eos=True)
+# 8 MiB of KV per engine (thousands of tokens of these models), not the default 512: each rank allocates and
+# registers its share with NIXL at start, which a test's few prompts never fill.
+CONFIG = dict(block_size=4, dtype="float32", num_threads=1, kv_transfer="nixl", kv_cache_bytes=8 << 20)
 
 
 @pytest.fixture(scope="module")
 def engines(model_factory):
     """One engine of each size, exchanging KV: the TP1 one is also the colocated reference."""
     model = model_factory("llama")
-    config = dict(block_size=4, dtype="float32", num_threads=1, kv_transfer="nixl")
-    with LLM(model, **config) as tp1, LLM(model, tensor_parallel_size=2, **config) as tp2a, \
-            LLM(model, tensor_parallel_size=2, **config) as tp2b:
+    with llms_together(lambda: LLM(model, **CONFIG), lambda: LLM(model, tensor_parallel_size=2, **CONFIG),
+                       lambda: LLM(model, tensor_parallel_size=2, **CONFIG)) as (tp1, tp2a, tp2b):
         yield {"tp1": tp1, "tp2a": tp2a, "tp2b": tp2b}
 
 
@@ -124,14 +128,32 @@ def kv_bytes_per_token(model_dir: str) -> int:
     return config["num_hidden_layers"] * per_layer * 4
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral"])
-def test_moe_and_latent_models_hand_off_from_two_prefill_ranks_to_one(model_factory, arch):
+MOE_AND_LATENT = ["deepseek_v3", "qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def moe_and_latent(model_factory):
+    """arch -> (a TP2 prefill LLM, a TP1 decode LLM) of it, for the test to take (and shut down); every arch's pair
+    starts in the background when the first is asked for."""
+
+    def pair(model):
+        return start_together([lambda: LLM(model, tensor_parallel_size=2, **CONFIG), lambda: LLM(model, **CONFIG)],
+                              lambda llm: llm.shutdown())
+
+    started = Prestarted({arch: functools.partial(pair, model_factory(arch)) for arch in MOE_AND_LATENT},
+                         lambda llms: close_together(llms, lambda llm: llm.shutdown()))
+    yield started
+    started.close()
+
+
+@pytest.mark.parametrize("arch", MOE_AND_LATENT)
+def test_moe_and_latent_models_hand_off_from_two_prefill_ranks_to_one(model_factory, moe_and_latent, arch):
     """DeepSeek-V3 (its latent cache whole on each prefill rank: read once, from rank 0), Qwen3-MoE and Mixtral (KV
-    heads split over the prefill ranks, every expert's width sharded): P TP2 -> D TP1 gives colocated tokens, greedy and seeded n=2; the same prompt again reads
-    only its last block. The bytes read per token are the model's KV per token: for MLA its latents."""
+    heads split over the prefill ranks, every expert's width sharded): P TP2 -> D TP1 gives colocated tokens, greedy
+    and seeded n=2; the same prompt again reads only its last block. The bytes read per token are the model's KV per token: for MLA its latents."""
     model = model_factory(arch)
-    config = dict(block_size=4, dtype="float32", num_threads=1, kv_transfer="nixl")
-    with LLM(model, tensor_parallel_size=2, **config) as ctx, LLM(model, **config) as gen:
+    ctx, gen = llms = moe_and_latent.take(arch)
+    try:
         block_bytes = 4 * kv_bytes_per_token(model)
         assert gen.engine.kv_cache.layout.block_bytes == block_bytes
         for k, params in enumerate([GREEDY, SEEDED]):
@@ -144,6 +166,8 @@ def test_moe_and_latent_models_hand_off_from_two_prefill_ranks_to_one(model_fact
                 assert gen.engine.connector.stats().kv_bytes_read - before == read_blocks * block_bytes
         assert gen.engine.stats()["num_reprefills"] == 0
         wait_pools_full(ctx, gen)
+    finally:
+        close_together(llms, lambda llm: llm.shutdown())
 
 
 def test_the_handle_and_card_name_every_prefill_rank(engines):
@@ -159,7 +183,7 @@ def test_a_dead_prefill_rank_makes_the_decode_side_prefill_itself(model_factory,
     gen, reference = engines["tp1"], engines["tp1"]
     prompt = [11 + (i * 53) % 3000 for i in range(18)]
     want = [o.token_ids for o in reference.generate(prompt, GREEDY).outputs]
-    with LLM(model, tensor_parallel_size=2, block_size=4, dtype="float32", num_threads=1, kv_transfer="nixl") as ctx:
+    with LLM(model, tensor_parallel_size=2, **CONFIG) as ctx:
         c = ctx.generate(prompt, GREEDY, disaggregated_params=DisaggregatedParams(request_type="context_only"))
         os.kill(ctx.engine.ranks._members.procs[1].pid, signal.SIGKILL)
         ctx.engine.ranks._members.procs[1].wait(10)
@@ -176,9 +200,7 @@ def test_a_prompt_with_images_hands_off_from_two_prefill_ranks_to_one_decode_ran
     reads both ranks' heads and continues as one colocated rank would. Greedy and seeded n=2."""
     model = str(llava_factory())
     text, images = case("two")
-    config = dict(block_size=4, dtype="float32", num_threads=1)
-    with LLM(model, tensor_parallel_size=2, kv_transfer="nixl", **config) as ctx, \
-            LLM(model, kv_transfer="nixl", **config) as gen:
+    with llms_together(lambda: LLM(model, tensor_parallel_size=2, **CONFIG), lambda: LLM(model, **CONFIG)) as (ctx, gen):
         for params in (GREEDY, SEEDED):
             want = [o.token_ids for o in gen.generate(mm(text, images), dataclasses.replace(
                 params, cache_salt="reference")).outputs]
