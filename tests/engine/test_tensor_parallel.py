@@ -3,6 +3,7 @@ and against one rank, through the embedded LLM."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 
@@ -19,6 +20,7 @@ from tests.conftest import perturb
 from tests.engine.images import case, mm
 from tests.engine.parity import Reference, assert_same_tokens
 from tests.engine.test_engine import prompts
+from tests.engine.together import Prestarted
 
 # What each family adds under sharding: biases of q/k/v and o_proj (o_proj's added once), a tied head; per-head
 # q/k norms with a head_dim that is not hidden / heads; experts split inside, and a shared expert with its gate;
@@ -50,7 +52,19 @@ def checkpoint(tmp_path_factory):
 
 
 def tp_llm(model_dir, size, **kwargs) -> LLM:
+    # 8 MiB of KV (thousands of tokens of these models), not the default 512: every rank allocates its share at start
+    kwargs.setdefault("kv_cache_bytes", 8 << 20)
     return LLM(model_dir, tensor_parallel_size=size, num_threads=1, block_size=4, dtype="float32", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def two_rank_llms(checkpoint):
+    """variant -> its two-rank LLM, for the test to take (and shut down); every variant's starts in the background
+    when the first is asked for."""
+    started = Prestarted({name: functools.partial(tp_llm, checkpoint(name), 2) for name in VARIANTS},
+                         lambda llm: llm.shutdown())
+    yield started
+    started.close()
 
 
 def assert_matches_transformers(llm: LLM, ref: Reference, batch: list[list[int]], label: str) -> None:
@@ -65,9 +79,9 @@ def assert_matches_transformers(llm: LLM, ref: Reference, batch: list[list[int]]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_two_ranks_match_transformers(checkpoint, variant):
+def test_two_ranks_match_transformers(checkpoint, two_rank_llms, variant):
     model_dir = checkpoint(variant)
-    with tp_llm(model_dir, 2) as llm:
+    with two_rank_llms.take(variant) as llm:
         assert_matches_transformers(llm, Reference(model_dir), prompts(3, 5, 40, seed=1), f"{variant} TP2")
 
 
