@@ -20,7 +20,7 @@ from tests.conftest import perturb
 from tests.engine.images import case, mm
 from tests.engine.parity import Reference, assert_same_tokens
 from tests.engine.test_engine import prompts
-from tests.engine.together import Prestarted
+from tests.engine.together import Prestarted, selected
 
 # What each family adds under sharding: biases of q/k/v and o_proj (o_proj's added once), a tied head; per-head
 # q/k norms with a head_dim that is not hidden / heads; experts split inside, and a shared expert with its gate;
@@ -58,10 +58,11 @@ def tp_llm(model_dir, size, **kwargs) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def two_rank_llms(checkpoint):
-    """variant -> its two-rank LLM, for the test to take (and shut down); every variant's starts in the background
-    when the first is asked for."""
-    started = Prestarted({name: functools.partial(tp_llm, checkpoint(name), 2) for name in VARIANTS},
+def two_rank_llms(request, checkpoint):
+    """variant -> its two-rank LLM, for the test to take (and shut down); every selected variant's starts in the
+    background when the first is asked for."""
+    names = selected(request, test_two_ranks_match_transformers, "variant", list(VARIANTS))
+    started = Prestarted({name: functools.partial(tp_llm, checkpoint(name), 2) for name in names},
                          lambda llm: llm.shutdown())
     yield started
     started.close()

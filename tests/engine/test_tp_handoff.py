@@ -19,7 +19,7 @@ from engine.kv.head_reads import head_reads, head_spans
 from engine.kv.kv_cache import KVLayout
 from raypd import LLM, DisaggregatedParams, SamplingParams
 from tests.engine.images import case, mm
-from tests.engine.together import Prestarted, close_together, llms_together, start_together
+from tests.engine.together import Prestarted, close_together, llms_together, selected, start_together
 from tests.pools import wait_pools_full
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 3, 4, 8, 4
@@ -132,15 +132,16 @@ MOE_AND_LATENT = ["deepseek_v3", "qwen3_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module")
-def moe_and_latent(model_factory):
-    """arch -> (a TP2 prefill LLM, a TP1 decode LLM) of it, for the test to take (and shut down); every arch's pair
-    starts in the background when the first is asked for."""
+def moe_and_latent(request, model_factory):
+    """arch -> (a TP2 prefill LLM, a TP1 decode LLM) of it, for the test to take (and shut down); every selected
+    arch's pair starts in the background when the first is asked for."""
+    archs = selected(request, test_moe_and_latent_models_hand_off_from_two_prefill_ranks_to_one, "arch", MOE_AND_LATENT)
 
     def pair(model):
         return start_together([lambda: LLM(model, tensor_parallel_size=2, **CONFIG), lambda: LLM(model, **CONFIG)],
                               lambda llm: llm.shutdown())
 
-    started = Prestarted({arch: functools.partial(pair, model_factory(arch)) for arch in MOE_AND_LATENT},
+    started = Prestarted({arch: functools.partial(pair, model_factory(arch)) for arch in archs},
                          lambda llms: close_together(llms, lambda llm: llm.shutdown()))
     yield started
     started.close()
@@ -150,7 +151,8 @@ def moe_and_latent(model_factory):
 def test_moe_and_latent_models_hand_off_from_two_prefill_ranks_to_one(model_factory, moe_and_latent, arch):
     """DeepSeek-V3 (its latent cache whole on each prefill rank: read once, from rank 0), Qwen3-MoE and Mixtral (KV
     heads split over the prefill ranks, every expert's width sharded): P TP2 -> D TP1 gives colocated tokens, greedy
-    and seeded n=2; the same prompt again reads only its last block. The bytes read per token are the model's KV per token: for MLA its latents."""
+    and seeded n=2; the same prompt again reads only its last block. The bytes read per token are the model's KV per
+    token: for MLA its latents."""
     model = model_factory(arch)
     ctx, gen = llms = moe_and_latent.take(arch)
     try:
@@ -200,7 +202,8 @@ def test_a_prompt_with_images_hands_off_from_two_prefill_ranks_to_one_decode_ran
     reads both ranks' heads and continues as one colocated rank would. Greedy and seeded n=2."""
     model = str(llava_factory())
     text, images = case("two")
-    with llms_together(lambda: LLM(model, tensor_parallel_size=2, **CONFIG), lambda: LLM(model, **CONFIG)) as (ctx, gen):
+    with llms_together(lambda: LLM(model, tensor_parallel_size=2, **CONFIG),
+                       lambda: LLM(model, **CONFIG)) as (ctx, gen):
         for params in (GREEDY, SEEDED):
             want = [o.token_ids for o in gen.generate(mm(text, images), dataclasses.replace(
                 params, cache_salt="reference")).outputs]

@@ -55,3 +55,11 @@ class Prestarted:
         self._pool.shutdown(wait=True)
         futures, self._futures = self._futures, {}
         close_together([f.result() for f in futures.values() if f.exception() is None], self._close)
+
+
+def selected(request, test, param: str, values: list[str]) -> list[str]:
+    """The values of param that this session's selected cases of test (a function) take, in the order they run
+    (all of values where none is selected): what a Prestarted fixture needs to make, and no more."""
+    chosen = {item.callspec.params[param] for item in request.session.items
+              if getattr(item, "function", None) is test and param in getattr(item, "callspec", None).params}
+    return [v for v in values if v in chosen] or values
