@@ -18,9 +18,10 @@ second round with each system's defaults. --dtype float32|bfloat16 runs that dty
 defaults only.
 
 `vllm bench serve` (vLLM's own client, from its venv) also runs against raypd's disaggregated endpoint at each
-concurrency, twice: with the openai backend (completions, as raypd bench sends them) on prompts from raypd bench's own
-generator, another seed's, and with the openai-chat backend on vLLM's random dataset. Its TTFT/TPOT print beside
-`raypd bench`'s: a check on the client. `make bench-peers` creates vLLM's venv (see ../shared/BENCH.md for what it needs on
+concurrency: --client-rounds times (3) with the openai backend (completions, as raypd bench sends them) on prompts from
+raypd bench's own generator, other seeds, alternating with as many raypd bench runs, then once with the openai-chat
+backend on vLLM's random dataset. Its TTFT/TPOT print beside `raypd bench`'s, run by run and as the ratio of the
+medians: a check on the client (one run's TTFT p50 at 16 streams moves by tens of percent between runs). `make bench-peers` creates vLLM's venv (see ../shared/BENCH.md for what it needs on
 this machine).
 """
 
@@ -29,11 +30,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import pathlib
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -196,14 +197,56 @@ def vllm_bench_serve(base: str, config: RaypdConfig, bench: BenchConfig, concurr
         return json.loads(out.read_text())
 
 
-def client_check(label: str, ours: BenchResult, theirs: dict) -> str:
-    """One line: vllm bench serve's and raypd bench's counts, TTFT and TPOT p50 on the same endpoint, and ratios."""
-    ttft, tpot = ours.latency_ms("ttft"), ours.latency_ms("tpot")
-    return (f"{label}: vllm bench serve {theirs['completed']} ok / {theirs.get('failed', 0)} failed, TTFT p50 "
-            f"{theirs['median_ttft_ms']:.1f} ms, TPOT p50 {theirs['median_tpot_ms']:.2f} ms, "
-            f"{theirs['output_throughput']:.0f} tok/s | raypd bench TTFT p50 {ttft.p50:.1f} ms, TPOT p50 "
-            f"{tpot.p50:.2f} ms, {ours.output_throughput:.0f} tok/s | vllm / raypd bench: TTFT "
-            f"{theirs['median_ttft_ms'] / ttft.p50:.2f}x, TPOT {theirs['median_tpot_ms'] / tpot.p50:.2f}x")
+@dataclasses.dataclass(frozen=True)
+class ClientRun:
+    """One client's run against the endpoint: p50s and what completed."""
+    ttft_ms: float
+    tpot_ms: float
+    tok_s: float
+    ok: int
+    failed: int
+
+    @classmethod
+    def of_raypd(cls, r: BenchResult) -> ClientRun:
+        return cls(r.latency_ms("ttft").p50, r.latency_ms("tpot").p50, r.output_throughput, r.completed, r.failed)
+
+    @classmethod
+    def of_vllm(cls, j: dict) -> ClientRun:
+        return cls(j["median_ttft_ms"], j["median_tpot_ms"], j["output_throughput"], j["completed"],
+                   j.get("failed", 0))
+
+
+def client_check(label: str, ours: list[ClientRun], theirs: list[ClientRun]) -> str:
+    """vllm bench serve's and raypd bench's runs on the same endpoint, each run's TTFT/TPOT p50, and the ratio of the
+    medians over the runs: one run's TTFT p50 at 16 streams moves by tens of percent from run to run."""
+    def runs(rr: list[ClientRun]) -> str:
+        return ", ".join(f"{r.ttft_ms:.1f}/{r.tpot_ms:.2f}" for r in rr)
+
+    def med(rr: list[ClientRun], field: str) -> float:
+        return statistics.median(getattr(r, field) for r in rr)
+
+    return (f"{label}: vllm bench serve {sum(r.ok for r in theirs)} ok / {sum(r.failed for r in theirs)} failed; "
+            f"TTFT/TPOT p50 ms per run: vllm bench {runs(theirs)} | raypd bench {runs(ours)} | vllm / raypd bench, "
+            f"medians over the runs: TTFT {med(theirs, 'ttft_ms') / med(ours, 'ttft_ms'):.2f}x, TPOT "
+            f"{med(theirs, 'tpot_ms') / med(ours, 'tpot_ms'):.2f}x, tok/s {med(theirs, 'tok_s') / med(ours, 'tok_s'):.2f}x")
+
+
+def check_clients(base: str, config: RaypdConfig, bench: BenchConfig, c: int, first: BenchResult, args,
+                  api_key: str | None, label: str) -> list[str]:
+    """`vllm bench serve` against base at concurrency c, alternating with raypd bench (first: raypd bench's run
+    already measured here): --client-rounds runs of each with the openai backend (raypd bench's own prompt
+    generator, other seeds), then one openai-chat run on vLLM's random dataset. Lines for client_check."""
+    ours, theirs = [ClientRun.of_raypd(first)], []
+    for i in range(args.client_rounds):
+        theirs.append(ClientRun.of_vllm(vllm_bench_serve(base, config, dataclasses.replace(bench, seed=bench.seed + i),
+                                                         c, args.vllm_python, api_key, "openai")))
+        if i + 1 < args.client_rounds:
+            again = dataclasses.replace(bench, base_url=base, concurrency=c, api_key=api_key,
+                                        seed=bench.seed + 3571 + 100 * c + i)
+            ours.append(ClientRun.of_raypd(run_benchmark(again)))
+    chat = ClientRun.of_vllm(vllm_bench_serve(base, config, bench, c, args.vllm_python, api_key, "openai-chat"))
+    return [client_check(f"{label} c={c}, --backend openai, {len(theirs)} run(s) each, alternating", ours, theirs),
+            client_check(f"{label} c={c}, --backend openai-chat (vLLM's random prompts), 1 run", ours, [chat])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,11 +303,11 @@ def run(args) -> dict[str, dict[str, BenchResult]]:
                         key = dtyped.http.api_key_value()
                         measure(f"raypd {mode}", base, b, concurrencies, key, results[r.name])
                         if mode == "disaggregated" and args.vllm_bench:
-                            for c, backend in itertools.product(concurrencies, ("openai", "openai-chat")):
-                                theirs = vllm_bench_serve(base, dtyped, b, c, args.vllm_python, key, backend)
-                                checks.append(client_check(f"[{r.name}] raypd {mode} c={c}, --backend {backend}",
-                                                           results[r.name][f"raypd {mode}, c={c}"], theirs))
-                                print("  " + checks[-1], flush=True)
+                            for c in concurrencies:
+                                lines = check_clients(base, dtyped, b, c, results[r.name][f"raypd {mode}, c={c}"],
+                                                      args, key, f"[{r.name}] raypd {mode}")
+                                checks += lines
+                                print("  " + "\n  ".join(lines), flush=True)
     for line in checks:
         print(line)
     return results
@@ -285,6 +328,8 @@ def main(argv=None) -> None:
                         help="native: like for like in this CPU's native dtype, then defaults where they differ")
     parser.add_argument("--no-vllm-bench", dest="vllm_bench", action="store_false",
                         help="skip `vllm bench serve` against raypd's disaggregated endpoint")
+    parser.add_argument("--client-rounds", type=int, default=3,
+                        help="runs of each client, alternating, in the vllm bench serve check (medians compared)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument("--plot", default=None, help="write latency CDFs here (PNG; one per dtype round, numbered)")
     parser.add_argument("--json", default=None, help="write every measurement here")
