@@ -4,9 +4,9 @@ prefill, preemption and prefix hits, colocated and disaggregated; rejected draft
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,6 +20,7 @@ from engine.spec.ngram import NgramDrafter, lookup
 from llmapi.outputs import Resume, ResumedCandidate
 from raypd import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
 from tests.engine.test_engine import run
+from tests.engine.together import close_together, start_together
 from tests.pools import wait_pools_full
 
 POOL = 8 << 20  # KV bytes per engine (2048 tokens of the tiny llama): the suite runs in one process
@@ -257,29 +258,15 @@ def test_speculation_under_tensor_parallelism(model_factory):
     prompts = repetitive_prompts(3, seed=4)
     configs = [EngineConfig(block_size=4, kv_cache_bytes=POOL, tensor_parallel_size=2, num_threads=1,
                             speculative_config=spec) for spec in (None, SPEC)]
-    engines = started_together(model, configs)
+    engines = start_together([functools.partial(LLMEngine, model, config) for config in configs], LLMEngine.close)
     try:
         plain, speculating = (run(engine, {0: [(i, p, GREEDY) for i, p in enumerate(prompts)]}) for engine in engines)
         stats = engines[1].stats()
     finally:
-        for engine in engines:
-            engine.close()
+        close_together(engines, LLMEngine.close)
     assert {r: c[0][0] for r, c in speculating.items()} == {r: c[0][0] for r, c in plain.items()}
     assert stats["spec_accepted_tokens"] > 0
 
-
-def started_together(model: str, configs: list[EngineConfig]) -> list[LLMEngine]:
-    """One LLMEngine per config, built on threads at once: a rank process's start is mostly one core's imports,
-    so two starts side by side take little longer than one."""
-    with ThreadPoolExecutor(len(configs)) as pool:
-        futures = [pool.submit(LLMEngine, model, config) for config in configs]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        for f in futures:
-            if f.exception() is None:
-                f.result().close()
-        raise failed[0]
-    return [f.result() for f in futures]
 
 
 def noisy_draft(target: str, out) -> SpeculativeConfig:
