@@ -1,6 +1,6 @@
-"""Engines started and stopped side by side. A tensor-parallel engine's start is mostly its rank processes' imports
-(one core each, while rank 0 waits) and its stop mostly their exit: on a small host two at once take little longer
-than one."""
+"""Engines stopped side by side, and started in the background while another test runs. A tensor-parallel engine's
+start is mostly its rank processes' imports (one core, while rank 0 waits) and its stop mostly their exit: on a small
+host either overlaps well with other work."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ T = TypeVar("T")
 
 
 def start_together(makers: list[Callable[[], T]], close: Callable[[T], None]) -> list[T]:
-    """Each maker's result, all made on threads at once; if one fails, the others are closed and its error raised."""
-    with ThreadPoolExecutor(len(makers)) as pool:
-        futures = [pool.submit(make) for make in makers]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        close_together([f.result() for f in futures if f.exception() is None], close)
-        raise failed[0]
-    return [f.result() for f in futures]
+    """Each maker's result, made one after another (two rank groups starting at once lost a rank once, unexplained:
+    starts are not overlapped); if one fails, those made are closed and its error raised."""
+    made: list[T] = []
+    try:
+        for make in makers:
+            made.append(make())
+    except BaseException:
+        close_together(made, close)
+        raise
+    return made
 
 
 def close_together(things: list[T], close: Callable[[T], None]) -> None:
@@ -30,7 +32,7 @@ def close_together(things: list[T], close: Callable[[T], None]) -> None:
 
 @contextlib.contextmanager
 def llms_together(*makers: Callable[[], T]) -> Iterator[list[T]]:
-    """Embedded LLMs (raypd.LLM) started together, shut down together when the block ends."""
+    """Embedded LLMs (raypd.LLM) started, and shut down together when the block ends."""
     llms = start_together(list(makers), lambda llm: llm.shutdown())
     try:
         yield llms
@@ -39,13 +41,13 @@ def llms_together(*makers: Callable[[], T]) -> Iterator[list[T]]:
 
 
 class Prestarted:
-    """Things made in the background, two at a time, in the order given (a parametrized test's cases, in the order
+    """Things made in the background, one at a time, in the order given (a parametrized test's cases, in the order
     they run): a test takes its own, waiting only for that one, while the next are made beside it. What no test
     took is closed by close()."""
 
     def __init__(self, makers: dict[str, Callable[[], T]], close: Callable[[T], None]):
         self._close = close
-        self._pool = ThreadPoolExecutor(2)
+        self._pool = ThreadPoolExecutor(1)
         self._futures = {key: self._pool.submit(make) for key, make in makers.items()}
 
     def take(self, key: str) -> T:
