@@ -21,8 +21,8 @@ defaults only.
 concurrency: --client-rounds times (3) with the openai backend (completions, as raypd bench sends them) on prompts from
 raypd bench's own generator, other seeds, alternating with as many raypd bench runs, then once with the openai-chat
 backend on vLLM's random dataset. Its TTFT/TPOT print beside `raypd bench`'s, run by run and as the ratio of the
-medians: a check on the client (one run's TTFT p50 at 16 streams moves by tens of percent between runs). `make bench-peers` creates vLLM's venv (see ../shared/BENCH.md for what it needs on
-this machine).
+medians: a check on the client (one run's TTFT p50 at 16 streams moves by tens of percent between runs).
+`make bench-peers` creates vLLM's venv (see ../shared/BENCH.md for what it needs on this machine).
 """
 
 from __future__ import annotations
@@ -228,7 +228,8 @@ def client_check(label: str, ours: list[ClientRun], theirs: list[ClientRun]) -> 
     return (f"{label}: vllm bench serve {sum(r.ok for r in theirs)} ok / {sum(r.failed for r in theirs)} failed; "
             f"TTFT/TPOT p50 ms per run: vllm bench {runs(theirs)} | raypd bench {runs(ours)} | vllm / raypd bench, "
             f"medians over the runs: TTFT {med(theirs, 'ttft_ms') / med(ours, 'ttft_ms'):.2f}x, TPOT "
-            f"{med(theirs, 'tpot_ms') / med(ours, 'tpot_ms'):.2f}x, tok/s {med(theirs, 'tok_s') / med(ours, 'tok_s'):.2f}x")
+            f"{med(theirs, 'tpot_ms') / med(ours, 'tpot_ms'):.2f}x, "
+            f"tok/s {med(theirs, 'tok_s') / med(ours, 'tok_s'):.2f}x")
 
 
 def check_clients(base: str, config: RaypdConfig, bench: BenchConfig, c: int, first: BenchResult, args,
