@@ -165,13 +165,28 @@ def cpu_kernels():
 
         # Named by CPU and source: checkouts holding different versions of the source keep one build each,
         # instead of rebuilding over one another.
-        source_tag = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
-        return load(name=f"raypd_cpu_kernels_{_cpu_tag()}_{source_tag}", sources=[str(SOURCE)],
+        source = SOURCE.read_bytes()
+        name = f"raypd_cpu_kernels_{_cpu_tag()}_{hashlib.sha256(source).hexdigest()[:8]}"
+        return load(name=name, sources=[str(_source_copy(name, source))],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, a failed build: the reference path still serves
         log.warning("raypd's C++ CPU kernels are unavailable (%s: %s); running the torch reference path",
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return None
+
+
+def _source_copy(name: str, source: bytes) -> pathlib.Path:
+    """The source, copied into the build's own folder: torch rebuilds when a build's source path changes, so
+    checkouts holding the same source at other paths (a clone, a cluster node's synced copy) share one build
+    instead of rebuilding it in turn."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    path = pathlib.Path(_get_build_directory(name, verbose=False)) / "cpu_kernels.cpp"
+    if not path.exists() or path.read_bytes() != source:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(source)
+        os.replace(tmp, path)  # whole or not at all, for processes building at once
+    return path
 
 
 def _cpu_tag() -> str:
