@@ -30,24 +30,15 @@ def cluster_file(ssh_key: pathlib.Path, venv: pathlib.Path) -> dict[str, Any]:
     config["auth"] = {"ssh_user": "root", "ssh_private_key": str(ssh_key)}
     config["setup_commands"] = [
         # What `pip install` does on a real machine: this venv's torch and Ray, and the synced ~/raypd ahead of the
-        # venv's own raypd (PYTHONPATH wins over an editable install); what local.yaml's kernel build does: this
-        # machine's build of the C++ kernels (each node would otherwise compile them at its replicas' start, ~1 min).
-        # ray up runs each command in a login shell that reads ~/.bashrc, so the environment holds for the start
-        # commands and `ray exec` too.
-        f"echo 'export PATH={venv}/bin:$PATH PYTHONPATH=$HOME/raypd RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0"
-        f"{_kernel_builds()}' >> ~/.bashrc",
+        # venv's own raypd (PYTHONPATH wins over an editable install). ray up runs each command in a login shell
+        # that reads ~/.bashrc, so the environment holds for the start commands and `ray exec` too. Each node
+        # compiles the C++ kernels in its own home, at its replicas' start (local.yaml's setup command would do it
+        # on the head too): sharing this machine's build made the nodes rebuild it, and the tests after them too.
+        f"echo 'export PATH={venv}/bin:$PATH PYTHONPATH=$HOME/raypd RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0' "
+        ">> ~/.bashrc",
         "cd ~/raypd && python -m raypd.tools.tiny models/tiny-llama",
     ]
     return config
-
-
-def _kernel_builds() -> str:
-    """` TORCH_EXTENSIONS_DIR=...`: where this machine keeps its build of raypd's C++ CPU kernels (`make install`
-    builds them), or "" where it has none."""
-    from engine.model.kernels import cpu_kernels
-
-    module = cpu_kernels()
-    return f" TORCH_EXTENSIONS_DIR={pathlib.Path(module.__file__).parent.parent}" if module is not None else ""
 
 
 # configs/multinode.yaml asks for GPUs and a 7B model; on this CPU machine the tiny model, no GPUs, and no CPU slots
