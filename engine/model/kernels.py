@@ -177,8 +177,8 @@ def cpu_kernels():
 
 def _source_copy(name: str, source: bytes) -> pathlib.Path:
     """The source, copied into the build's own folder: torch rebuilds when a build's source path changes, so
-    checkouts holding the same source at other paths (a clone, a cluster node's synced copy) share one build
-    instead of rebuilding it in turn."""
+    checkouts holding the same source at other paths share one build instead of rebuilding it in turn, where they
+    use the same torch install (its include path is part of the compile command too: another venv rebuilds)."""
     from torch.utils.cpp_extension import _get_build_directory
 
     path = pathlib.Path(_get_build_directory(name, verbose=False)) / "cpu_kernels.cpp"
