@@ -20,7 +20,7 @@ from engine.spec.ngram import NgramDrafter, lookup
 from llmapi.outputs import Resume, ResumedCandidate
 from raypd import LLM, DisaggregatedParams, GuidedDecodingParams, SamplingParams
 from tests.engine.test_engine import run
-from tests.engine.together import close_together, start_together
+from tests.engine.together import close_together, start_each
 from tests.pools import wait_pools_full
 
 POOL = 8 << 20  # KV bytes per engine (2048 tokens of the tiny llama): the suite runs in one process
@@ -258,7 +258,7 @@ def test_speculation_under_tensor_parallelism(model_factory):
     prompts = repetitive_prompts(3, seed=4)
     configs = [EngineConfig(block_size=4, kv_cache_bytes=POOL, tensor_parallel_size=2, num_threads=1,
                             speculative_config=spec) for spec in (None, SPEC)]
-    engines = start_together([functools.partial(LLMEngine, model, config) for config in configs], LLMEngine.close)
+    engines = start_each([functools.partial(LLMEngine, model, config) for config in configs], LLMEngine.close)
     try:
         plain, speculating = (run(engine, {0: [(i, p, GREEDY) for i, p in enumerate(prompts)]}) for engine in engines)
         stats = engines[1].stats()

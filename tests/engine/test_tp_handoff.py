@@ -19,7 +19,7 @@ from engine.kv.head_reads import head_reads, head_spans
 from engine.kv.kv_cache import KVLayout
 from raypd import LLM, DisaggregatedParams, SamplingParams
 from tests.engine.images import case, mm
-from tests.engine.together import Prestarted, close_together, llms_together, selected, start_together
+from tests.engine.together import Prestarted, close_together, llms_together, selected, start_each
 from tests.pools import wait_pools_full
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 3, 4, 8, 4
@@ -138,7 +138,7 @@ def moe_and_latent(request, model_factory):
     archs = selected(request, test_moe_and_latent_models_hand_off_from_two_prefill_ranks_to_one, "arch", MOE_AND_LATENT)
 
     def pair(model):
-        return start_together([lambda: LLM(model, tensor_parallel_size=2, **CONFIG), lambda: LLM(model, **CONFIG)],
+        return start_each([lambda: LLM(model, tensor_parallel_size=2, **CONFIG), lambda: LLM(model, **CONFIG)],
                               lambda llm: llm.shutdown())
 
     started = Prestarted({arch: functools.partial(pair, model_factory(arch)) for arch in archs},

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, TypeVar
 T = TypeVar("T")
 
 
-def start_together(makers: list[Callable[[], T]], close: Callable[[T], None]) -> list[T]:
+def start_each(makers: list[Callable[[], T]], close: Callable[[T], None]) -> list[T]:
     """Each maker's result, made one after another (two rank groups starting at once lost a rank once, unexplained:
     starts are not overlapped); if one fails, those made are closed and its error raised."""
     made: list[T] = []
@@ -33,7 +33,7 @@ def close_together(things: list[T], close: Callable[[T], None]) -> None:
 @contextlib.contextmanager
 def llms_together(*makers: Callable[[], T]) -> Iterator[list[T]]:
     """Embedded LLMs (raypd.LLM) started, and shut down together when the block ends."""
-    llms = start_together(list(makers), lambda llm: llm.shutdown())
+    llms = start_each(list(makers), lambda llm: llm.shutdown())
     try:
         yield llms
     finally:
