@@ -52,10 +52,10 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     extra = {"request_router_config": routing} if routing is not None else {}
     # A stopping prefill replica waits for its leased KV to be read (replicas.drain): Serve must not kill it sooner.
     prefill = serve.deployment(PrefillReplica, name="prefill").options(
-        **engine_role_options(config.prefill), **extra,
+        **one_loop_options(config.prefill), **extra,
         graceful_shutdown_timeout_s=config.engine.kv_lease_s + DRAIN_MARGIN_S + _SERVE_SHUTDOWN_S)
-    decode = serve.deployment(DecodeReplica, name="decode").options(**engine_role_options(config.decode), **extra)
-    ingress_options = config.ingress.deployment_options()
+    decode = serve.deployment(DecodeReplica, name="decode").options(**one_loop_options(config.decode), **extra)
+    ingress_options = one_loop_options(config.ingress)
     if "max_ongoing_requests" not in config.ingress.model_fields_set:
         # The ingress sheds load itself (429 at once): Serve must hand it every request, and /health, without a queue.
         ingress_options["max_ongoing_requests"] = config.limits.max_requests_in_flight + 1024
@@ -72,11 +72,13 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
                         config.http.api_key_value(), postprocs, encoder_app(config, key))
 
 
-def engine_role_options(role: Role) -> dict:
-    """A prefill or decode deployment's options. Its replicas run our code on the event loop that serves their calls:
-    Serve's default puts it on a second loop in a thread of its own, and every call and streamed item then crosses
-    between the two. Measured side by side at 16 streams: +10% output tok/s, -15-20% TTFT p50. The ingress keeps
-    Serve's default."""
+def one_loop_options(role: Role) -> dict:
+    """A deployment's options with its replicas running our code on the event loop that serves their calls (HTTP
+    requests too, for the ingress). Serve's default puts it on a second loop in a thread of its own, and every call,
+    streamed item and SSE chunk then crosses between the two. Measured side by side at 16 streams: +10% output tok/s,
+    -15-20% TTFT p50 for the engine roles; for the ingress +8% tok/s at 16 streams and -15% TTFT p50 at 1 (docs/
+    performance.md). The ingress could do this once /health was answered by an application of its own (a flood the
+    ingress sheds still passes through its loop)."""
     options = role.deployment_options()
     options["ray_actor_options"]["runtime_env"] = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
     return options
