@@ -7,9 +7,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import ray
+from ray import serve
+
+from cluster.serving.app import POSTPROC_NAMESPACE
 
 # Token auth is on by default in this Ray; the CLI and the driver must agree, so the test cluster runs without it.
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
@@ -31,7 +35,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(request):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     port = _free_port()
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=100000000",
@@ -42,9 +46,90 @@ def ray_cluster():
         ray.init(address=f"127.0.0.1:{port}", _node_ip_address="127.0.0.1", log_to_driver=False)
         yield f"127.0.0.1:{port}"
     finally:
+        _shutdown_serve(request.config.stash)  # its HAProxy would outlive `ray stop`, holding its ports
         ray.shutdown()
         subprocess.run([shutil.which("ray", path=os.path.dirname(sys.executable)), "stop", "--force"], env=ENV,
                        timeout=60, capture_output=True)
+
+
+# The port of the Serve the session's cluster runs, while one runs (see serve_port).
+_SERVE_PORT = pytest.StashKey[int]()
+
+
+@pytest.fixture(scope="module")
+def serve_port(request, ray_cluster) -> int:
+    """One Serve (controller, proxy, HAProxy) for every module that deploys applications on the session's cluster:
+    starting and stopping it in each module cost ~5 s. No application of another module stays deployed while one runs
+    (one left behind by a failed teardown is deleted first), and none of its own after it."""
+    stash = request.config.stash
+    if _SERVE_PORT not in stash:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        stash[_SERVE_PORT] = port
+    delete_apps(*serve.status().applications)
+    yield stash[_SERVE_PORT]
+    delete_apps(*serve.status().applications)
+
+
+@pytest.fixture(scope="module")
+def own_serve(request) -> None:
+    """For a module that runs a Serve in a Ray of its own: the session's Serve, if one runs, is shut down first. HAProxy
+    binds fixed ports (stats 8404, metrics 9101) on every address, and a second one on this host fails to start."""
+    _shutdown_serve(request.config.stash)
+
+
+def _shutdown_serve(stash) -> None:
+    if _SERVE_PORT in stash:
+        serve.shutdown()
+        del stash[_SERVE_PORT]
+
+
+def delete_apps(*names: str, timeout_s: float = 120.0) -> None:
+    """Deletes the applications side by side (one at a time took ~3 s each) and waits until all are gone."""
+    for name in names:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while left := set(names) & set(serve.status().applications):
+        assert time.monotonic() < deadline, f"Serve did not delete the applications {sorted(left)}"
+        time.sleep(0.2)
+
+
+class Postprocs:
+    """The postproc workers are named, detached actors that every build on the cluster shares
+    (cluster.serving.app.start_postprocs), each with one model's tokenizer: the modules serving the same model keep
+    them (their start cost ~3 s a module), one serving another model has them killed first."""
+
+    def __init__(self):
+        self.model: str | None = None
+
+    def serving(self, model: str) -> None:
+        """Call before building the module's first application of `model`."""
+        if self.model not in (None, model):
+            self.kill()
+        self.model = model
+
+    def kill(self) -> None:
+        names = _postproc_names()
+        for name in names:
+            ray.kill(ray.get_actor(name, namespace=POSTPROC_NAMESPACE))
+        deadline = time.monotonic() + 60  # a name is free again once Ray has marked its actor dead
+        while _postproc_names():
+            assert time.monotonic() < deadline, f"the postproc workers {names} did not die"
+            time.sleep(0.2)
+        self.model = None
+
+
+def _postproc_names() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == POSTPROC_NAMESPACE and a["name"].startswith("raypd-postproc-")]
+
+
+@pytest.fixture(scope="session")
+def postprocs(ray_cluster) -> Postprocs:
+    found = Postprocs()
+    found.kill()  # none should be there yet: whatever is, serves an unknown model
+    yield found
+    found.kill()
 
 
 # Rows the fault-injection suite adds (tests/cluster/serving/test_faults.py): (what was done, load, outcome, requests lost).

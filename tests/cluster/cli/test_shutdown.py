@@ -32,7 +32,7 @@ def _free_port() -> int:
 
 
 
-def test_sigterm_drains_in_flight_streams_then_stops_everything(tmp_path):
+def test_sigterm_drains_in_flight_streams_then_stops_everything(own_serve, tmp_path):
     work = tmp_path.resolve()
     build_tiny_llava(work / "models" / "tiny-llava")
     config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())

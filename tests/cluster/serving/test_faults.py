@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,6 @@ import httpx
 import openai
 import pytest
 import ray
-from ray import serve
 
 from benchmarks.soak import EmbeddedReference, SoakConfig, run_soak
 from cluster.config import parse_config
@@ -34,15 +32,10 @@ MAX_TOKENS = 160
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_llama):
-    port = _free_port()
+def server(serve_port, postprocs, tiny_llama):
+    """Its applications are deleted by serve_port when the module ends."""
+    port = serve_port
     role = {"replicas": 1, "num_cpus": 0}
     config = parse_config({
         "model": tiny_llama, "served_model_name": "tiny", "dtype": "float32",  # token-exact against the reference
@@ -55,16 +48,11 @@ def server(ray_cluster, tiny_llama):
         "limits": {"max_requests_in_flight": 48, "max_tokens_in_flight": 48 * 400},
         "http": {"host": "127.0.0.1", "port": port},
     })
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    postprocs.serving(tiny_llama)
     deploy(config, APP)  # and its /health application
     base = f"http://127.0.0.1:{port}"
     _wait(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 60, "the deployment is not healthy")
-    yield base
-    serve.delete(APP)
-    serve.delete(f"{APP}-health")
-    serve.shutdown()
-    for i in range(2):
-        ray.kill(ray.get_actor(f"raypd-postproc-{i}", namespace=POSTPROC_NAMESPACE))
+    return base
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import threading
 import time
 
@@ -16,9 +15,7 @@ import torch
 from ray import serve
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import ray
-
-from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config, cluster_key
+from cluster.serving.app import build_from_config, cluster_key
 from cluster.config import parse_config
 from cluster.edge.chat_template import ChatTemplate
 from cluster.edge.openai_protocol import ChatCompletionRequest
@@ -30,12 +27,6 @@ from raypd import LLM, GuidedDecodingParams, SamplingParams
 from tests.teach import teach
 
 KEY = "sk-raypd-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(model: str, port: int, decode_replicas: int = 1, prefill_replicas: int = 1):
@@ -52,15 +43,11 @@ def _config(model: str, port: int, decode_replicas: int = 1, prefill_replicas: i
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_llama):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_from_config(_config(tiny_llama, port)), name="raypd", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", port
-    serve.delete("raypd")
-    serve.shutdown()
-    for i in range(2):  # the postproc workers are detached: they outlive the app unless killed
-        ray.kill(ray.get_actor(f"raypd-postproc-{i}", namespace=POSTPROC_NAMESPACE))
+def server(serve_port, postprocs, tiny_llama):
+    """The module's applications are deleted by serve_port when it ends."""
+    postprocs.serving(tiny_llama)
+    serve.run(build_from_config(_config(tiny_llama, serve_port)), name="raypd", route_prefix="/")
+    return f"http://127.0.0.1:{serve_port}", serve_port
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +402,7 @@ def test_colocated_mode_serves_the_same_tokens(server, client, tiny_llama):
         assert text == client.chat.completions.create(**chat).choices[0].message.content
         assert "prefill" not in serve.status().applications["raypd-colocated"].deployments
     finally:
-        serve.delete("raypd-colocated")
+        serve.delete("raypd-colocated", _blocking=False)  # the next tests need not wait for it
 
 
 # ---- tool calling and evaluation harnesses' requests ----
@@ -514,7 +501,7 @@ def test_auto_tool_choice_parses_the_models_calls_colocated(server, tool_caller)
         assert plain.finish_reason == "stop"
         _forced_calls_validate(tools, "tiny")
     finally:
-        serve.delete("raypd-tools")
+        serve.delete("raypd-tools", _blocking=False)
 
 
 def test_loglikelihood_requests_as_evaluation_harnesses_send_them(client, reference, tiny_llama):

@@ -54,7 +54,7 @@ def _stop(proc: subprocess.Popen, workdir: pathlib.Path, timeout: float = 60.0) 
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(own_serve, tmp_path_factory):
     """`serve run configs/serve.yaml` from a directory laid out as the repo root after `make serve`."""
     work = tmp_path_factory.mktemp("serve-config").resolve()
     (work / "configs").mkdir()

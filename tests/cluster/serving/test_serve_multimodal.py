@@ -11,7 +11,6 @@ import io
 import os
 import pathlib
 import signal
-import socket
 import struct
 import threading
 import time
@@ -26,10 +25,11 @@ import yaml
 from PIL import Image
 from ray import serve
 
-from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
+from cluster.serving.app import build_from_config
 from cluster.config import parse_config
 from cluster.serving.directory import Directory
 from raypd import LLM, SamplingParams
+from tests.cluster.conftest import delete_apps
 from tests.cluster.serving.test_faults import _wait
 from tests.engine.images import random_images
 
@@ -37,12 +37,6 @@ KEY = "sk-raypd-mm"
 APP = "raypd-mm"
 REPO = pathlib.Path(__file__).resolve().parents[3]
 MAX_IMAGE_BYTES = 64 * 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(model: str, port: int):
@@ -68,18 +62,15 @@ def llava(llava_factory):
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, llava):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def server(serve_port, postprocs, llava):
+    port = serve_port
     config = _config(llava, port)
     assert config.has_vision_tower and config.encoder.replicas == 1
+    postprocs.serving(llava)
     serve.run(build_from_config(config), name=APP, route_prefix="/")
     assert "encoder" in serve.status().applications[APP].deployments
     yield f"http://127.0.0.1:{port}", port
-    serve.delete(APP)
-    serve.shutdown()
-    for i in range(config.num_postprocess_workers):
-        ray.kill(ray.get_actor(f"raypd-postproc-{i}", namespace=POSTPROC_NAMESPACE))
+    delete_apps(*serve.status().applications)
     _wait(lambda: not _rank_processes(), 60, "rank processes outlived the deployment")
 
 
@@ -277,4 +268,4 @@ def test_colocated_mode_takes_images_too(server, client, llava):
             client.chat.completions.create(**kwargs).choices[0].message.content
         assert "prefill" not in serve.status().applications[f"{APP}-colocated"].deployments
     finally:
-        serve.delete(f"{APP}-colocated")
+        serve.delete(f"{APP}-colocated", _blocking=False)  # the next tests need not wait for it
