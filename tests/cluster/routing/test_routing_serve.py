@@ -5,31 +5,23 @@ replica, without a KV transfer), and the SLO autoscaling policy scaling a role o
 from __future__ import annotations
 
 import random
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import ray
 from ray import serve
 
-from cluster.serving.app import POSTPROC_NAMESPACE, build_from_config
+from cluster.serving.app import build_from_config
 from cluster.config import parse_config
 from cluster.serving.directory import Directory
 from raypd import LLM, SamplingParams
 
-APP, SCALE_APP, BURST_APP = "raypd-route", "raypd-scale", "raypd-burst"
+APP, SCALE_APP = "raypd-route", "raypd-scale"
 BLOCK = 4
 LOCAL_BELOW = 24  # router.max_local_prefill_tokens
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(model: str, port: int, **changes):
@@ -44,16 +36,27 @@ def _config(model: str, port: int, **changes):
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_llama):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_from_config(_config(tiny_llama, port)), name=APP, route_prefix="/route")
-    yield port
-    for app in (APP, SCALE_APP, BURST_APP):
-        serve.delete(app)
-    serve.shutdown()
-    for i in range(2):  # the postproc workers are detached: they outlive the app unless killed
-        ray.kill(ray.get_actor(f"raypd-postproc-{i}", namespace=POSTPROC_NAMESPACE))
+def server(serve_port, postprocs, tiny_llama):
+    """The module's applications are deleted by serve_port when it ends."""
+    postprocs.serving(tiny_llama)
+    serve.run(build_from_config(_config(tiny_llama, serve_port)), name=APP, route_prefix="/route")
+    return serve_port
+
+
+@pytest.fixture(scope="module")
+def scaling(server, tiny_llama):
+    """A second application, least_queued_tokens over Ray actor calls (router.transport: ray; the module's other app
+    uses the default, gRPC), whose prefill role autoscales on a TTFT target far below any real prefill: once a
+    replica reports TTFT samples, the policy wants the maximum, 2. A prompt arriving while one of its ingress's waits
+    at prefill is prefilled on its decode replica (max_prefill_backlog_tokens 1). Two tests share it (an application
+    takes ~12 s to deploy here): the first scales it, the second sends a burst."""
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "look_back_period_s": 20,
+                   "slo": {"ttft_ms": 0.001}}
+    config = _config(tiny_llama, server, prefill={"num_cpus": 0, "autoscaling": autoscaling},
+                     router={"policy": "least_queued_tokens", "transport": "ray", "max_prefill_backlog_tokens": 1})
+    serve.run(build_from_config(config), name=SCALE_APP, route_prefix="/scale")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/scale/v1", api_key="unused", timeout=60,
+                         max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -148,24 +151,24 @@ def test_short_prompts_prefill_on_the_decode_replica_without_a_kv_transfer(clien
     assert _prefill_totals()["prefix_cache_query_tokens"] == queried + len(long)
 
 
-def test_slo_policy_scales_prefill_on_its_ttft(server, client, tiny_llama):
-    # TTFT target far below any real prefill: once the replica reports TTFT samples, the policy wants the maximum.
-    # Ongoing requests are 0 by then, so Serve's default policy would not scale. This app's calls to its replicas
-    # are Ray actor calls (router.transport: ray); the module's other app uses the default, gRPC.
-    autoscaling = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "look_back_period_s": 20,
-                   "slo": {"ttft_ms": 0.001}}
-    config = _config(tiny_llama, server, prefill={"num_cpus": 0, "autoscaling": autoscaling},
-                     router={"policy": "least_queued_tokens", "transport": "ray"})
-    serve.run(build_from_config(config), name=SCALE_APP, route_prefix="/scale")
-    scaled = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/scale/v1", api_key="unused", timeout=60,
-                           max_retries=0)
+def test_slo_policy_scales_prefill_on_its_ttft(server, scaling):
+    # Ongoing requests are 0 once the prompts are done, so Serve's default policy would not scale. One at a time, no
+    # prompt arrives while another waits at prefill: each is prefilled there and gives a TTFT sample.
     for i in range(4):
-        _complete(scaled, _tokens(40, seed=400 + i))
+        _complete(scaling, _tokens(40, seed=400 + i))
     deadline = time.monotonic() + 120
     while serve.status().applications[SCALE_APP].deployments["prefill"].replica_states.get("RUNNING", 0) < 2:
         assert time.monotonic() < deadline, "prefill did not scale up on its TTFT"
         time.sleep(1.0)
     assert serve.status().applications[SCALE_APP].deployments["decode"].replica_states.get("RUNNING") == 1
+    assert _local_prefills(server) == 0
+
+
+def _local_prefills(port: int) -> float:
+    """The scaling app's ingress's count of prompts it prefilled on their decode replica."""
+    metrics = httpx.get(f"http://127.0.0.1:{port}/scale/metrics", timeout=10).text
+    line = next((line for line in metrics.splitlines() if 'role="ingress",what="local_prefill"' in line), None)
+    return float(line.split()[-1]) if line else 0.0
 
 
 def test_a_batch_of_prompts_is_routed_call_by_call(client, reference):
@@ -179,18 +182,14 @@ def test_a_batch_of_prompts_is_routed_call_by_call(client, reference):
     assert texts == [_expected(reference, p) for p in prompts]
 
 
-def test_prompts_arriving_while_others_wait_at_prefill_prefill_on_the_decode_replica(server, reference, tiny_llama):
+def test_prompts_arriving_while_others_wait_at_prefill_prefill_on_the_decode_replica(server, scaling, reference):
     # A threshold of one token: while any prompt of this ingress waits at a prefill replica, a new one is prefilled
     # on its decode replica. A batch's prompts start one after another on the owner's loop, so the first goes to
-    # prefill and the rest, arriving while it waits there, are served whole on decode.
-    config = _config(tiny_llama, server, router={"policy": "least_queued_tokens", "max_prefill_backlog_tokens": 1})
-    serve.run(build_from_config(config), name=BURST_APP, route_prefix="/burst")
-    burst = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/burst/v1", api_key="unused", timeout=60,
-                          max_retries=0)
+    # prefill and the rest, arriving while it waits there, are served whole on decode (after the test above, with a
+    # second prefill replica idle).
+    before = _local_prefills(server)
     prompts = [_tokens(40, seed=600 + i) for i in range(4)]
-    got = burst.completions.create(model="tiny", prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
-                                   extra_body={"ignore_eos": True}, timeout=60)
+    got = scaling.completions.create(model="tiny", prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True}, timeout=60)
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [_expected(reference, p) for p in prompts]
-    metrics = httpx.get(f"http://127.0.0.1:{server}/burst/metrics", timeout=10).text
-    assert 'raypd_kv{role="ingress",what="local_prefill"} 3.0' in metrics
-    serve.delete(BURST_APP)
+    assert _local_prefills(server) - before == 3
