@@ -53,6 +53,13 @@ def _stop(proc: subprocess.Popen, workdir: pathlib.Path, timeout: float = 60.0) 
             proc.wait(10)
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT stops it as Ctrl-C does in a terminal. A shell that starts pytest in the
+    background (`pytest &` in a script) leaves SIGINT ignored, an ignored signal stays ignored across exec, and
+    Python then installs no KeyboardInterrupt handler: serve run never saw the Ctrl-C and was killed 60 s later."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="module")
 def served(own_serve, tmp_path_factory):
     """`serve run configs/serve.yaml` from a directory laid out as the repo root after `make serve`."""
@@ -69,7 +76,7 @@ def served(own_serve, tmp_path_factory):
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     log = open(work / "serve-run.log", "wb")
     proc = subprocess.Popen([_bin("serve"), "run", "configs/serve.yaml"], cwd=work, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, work / "serve-run.log", START_TIMEOUT_S)
