@@ -231,9 +231,9 @@ class Chaos:
 
     def _actors(self, kind: str) -> list[str]:
         if kind == "postproc":
-            from cluster.serving.app import POSTPROC_NAMESPACE
+            from cluster.serving.app import POSTPROC_NAMESPACE, POSTPROC_PREFIX
 
-            return _named_actors("raypd-postproc-", POSTPROC_NAMESPACE)
+            return _named_actors(POSTPROC_PREFIX, POSTPROC_NAMESPACE)
         return _named_actors(f"SERVE_REPLICA::{self.app}#{kind}#", "serve")
 
     def kill(self, kind: str) -> str:

@@ -23,6 +23,7 @@ _KEY_NAME = b"raypd/cluster_key"
 _START_TIMEOUT_S = 120.0
 _SERVE_SHUTDOWN_S = 5.0  # Serve's own part of stopping a replica, past the user's __del__
 POSTPROC_NAMESPACE = "raypd"
+POSTPROC_PREFIX = "raypd-postproc-"  # worker i is the actor named POSTPROC_PREFIX + str(i) in POSTPROC_NAMESPACE
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -105,7 +106,7 @@ def start_postprocs(config: RaypdConfig) -> list:
     role = config.postproc
     options = dict(num_cpus=role.num_cpus or 0, num_gpus=role.num_gpus, resources=dict(role.resources),
                    lifetime="detached", get_if_exists=True, namespace=POSTPROC_NAMESPACE, max_restarts=-1)
-    return [actor.options(name=f"raypd-postproc-{i}", **options).remote(config.model, config.post_processor_hook)
+    return [actor.options(name=f"{POSTPROC_PREFIX}{i}", **options).remote(config.model, config.post_processor_hook)
             for i in range(config.num_postprocess_workers)]
 
 

@@ -13,7 +13,7 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.serving.app import POSTPROC_NAMESPACE
+from cluster.serving.app import POSTPROC_NAMESPACE, POSTPROC_PREFIX
 
 # Token auth is on by default in this Ray; the CLI and the driver must agree, so the test cluster runs without it.
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
@@ -121,7 +121,7 @@ class Postprocs:
 
 def _postproc_names() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == POSTPROC_NAMESPACE and a["name"].startswith("raypd-postproc-")]
+            if a["namespace"] == POSTPROC_NAMESPACE and a["name"].startswith(POSTPROC_PREFIX)]
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import ray
 
 from benchmarks.soak import EmbeddedReference, SoakConfig, run_soak
 from cluster.config import parse_config
-from cluster.serving.app import POSTPROC_NAMESPACE, deploy
+from cluster.serving.app import POSTPROC_NAMESPACE, POSTPROC_PREFIX, deploy
 from cluster.serving.directory import Directory
 from raypd import LLM, SamplingParams
 from tests.cluster.conftest import FAULT_SUMMARY
@@ -139,7 +139,7 @@ def _healthy_again(server) -> None:
 
 
 def test_a_killed_postproc_worker_loses_no_stream(server, client, reference):
-    worker = ray.get_actor("raypd-postproc-0", namespace=POSTPROC_NAMESPACE)
+    worker = ray.get_actor(f"{POSTPROC_PREFIX}0", namespace=POSTPROC_NAMESPACE)
     drafted = _role_totals()["decode"].get("spec_draft_tokens", 0.0)
     _fault_under_streams(client, reference, "SIGKILL a postproc worker", lambda: ray.kill(worker, no_restart=False))
     _wait(lambda: _role_totals()["decode"].get("spec_draft_tokens", 0.0) > drafted, 10,
