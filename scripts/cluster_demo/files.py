@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import shutil
 from typing import Any
 
 import yaml
@@ -31,14 +32,29 @@ def cluster_file(ssh_key: pathlib.Path, venv: pathlib.Path) -> dict[str, Any]:
     config["setup_commands"] = [
         # What `pip install` does on a real machine: this venv's torch and Ray, and the synced ~/raypd ahead of the
         # venv's own raypd (PYTHONPATH wins over an editable install). ray up runs each command in a login shell
-        # that reads ~/.bashrc, so the environment holds for the start commands and `ray exec` too. Each node
-        # compiles the C++ kernels in its own home, at its replicas' start (local.yaml's setup command would do it
-        # on the head too): sharing this machine's build made the nodes rebuild it, and the tests after them too.
+        # that reads ~/.bashrc, so the environment holds for the start commands and `ray exec` too.
         f"echo 'export PATH={venv}/bin:$PATH PYTHONPATH=$HOME/raypd RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0' "
         ">> ~/.bashrc",
+        *_kernel_setup(),
         "cd ~/raypd && python -m raypd.tools.tiny models/tiny-llama",
     ]
     return config
+
+
+def _kernel_setup() -> list[str]:
+    """What local.yaml's kernel build does: this machine's build of the C++ kernels (`make install` made it), else
+    each node compiles them at its replicas' start, ~40 s, both nodes at once. The nodes run the ninja that made the
+    build: the venv's ninja (1.13) and the system's (1.11 here) hash a command line differently, so a build made by
+    the one is "command line changed" to the other and is rebuilt, and rebuilt again here afterwards. Nothing where
+    the kernels do not build here: each node tries its own."""
+    from engine.model.kernels import cpu_kernels
+
+    module = cpu_kernels()  # puts the venv's ninja on PATH where there is none
+    if module is None:
+        return []
+    return [f"mkdir -p ~/bin && ln -sf {shutil.which('ninja')} ~/bin/ninja",
+            f"echo 'export PATH=$HOME/bin:$PATH TORCH_EXTENSIONS_DIR={pathlib.Path(module.__file__).parent.parent}' "
+            ">> ~/.bashrc"]
 
 
 # configs/multinode.yaml asks for GPUs and a 7B model; on this CPU machine the tiny model, no GPUs, and no CPU slots
