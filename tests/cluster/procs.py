@@ -38,4 +38,4 @@ def wait_healthy(base: str, proc: subprocess.Popen, log_path: pathlib.Path, time
     while not (ready_line in log_path.read_text(errors="replace") and healthy(base)):
         assert proc.poll() is None, f"{proc.args[0]} exited: {log_path.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"not healthy in time: {log_path.read_text()[-3000:]}"
-        time.sleep(1.0)
+        time.sleep(0.25)

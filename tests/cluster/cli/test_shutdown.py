@@ -89,7 +89,9 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(own_serve, tmp_p
         assert proc.wait(90) == 0
         out = log_path.read_text()
         assert "raypd: stopped" in out and "Traceback" not in out, out[-3000:]
-        time.sleep(2.0)
+        deadline = time.monotonic() + 2.0  # its children exit moments after it
+        while processes_in(work) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not processes_in(work), "processes left running after raypd serve exited"
     finally:
         if proc.poll() is None:

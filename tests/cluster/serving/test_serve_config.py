@@ -99,7 +99,7 @@ def _wait_serving(base: str, timeout: float) -> None:
         if got.status_code == 200:
             return
         assert time.monotonic() < deadline, f"no completion served in {timeout} s: {got.status_code} {got.text}"
-        time.sleep(1.0)
+        time.sleep(0.25)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_serve_deploy_rescales_decode_in_place(served, client):
     deadline = time.monotonic() + START_TIMEOUT_S
     while len((after := _replicas()).get("decode", ())) < 2:
         assert time.monotonic() < deadline, f"decode did not reach 2 replicas: {after}"
-        time.sleep(1.0)
+        time.sleep(0.5)
     # Same application code and args: Serve only applies the new count, every replica it had is still there.
     assert all(before[role] <= after[role] for role in before) and after["prefill"] == before["prefill"]
     assert client.completions.create(model="tiny-llava", prompt="after", max_tokens=4).usage.completion_tokens == 4
@@ -193,6 +193,6 @@ def test_ctrl_c_stops_everything_serve_run_started(served):
     assert served["proc"].returncode == 0
     deadline = time.monotonic() + 30
     while processes_in(served["work"]) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert processes_in(served["work"]) == []
     assert _port_free(int(served["base"].rsplit(":", 1)[1]))
