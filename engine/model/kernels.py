@@ -195,9 +195,12 @@ def _cpu_tag() -> str:
 
 
 def _ninja_on_path() -> None:
-    """cpp_extension runs `ninja`; the pip package (a dependency) puts it in the venv, not always on PATH."""
-    if shutil.which("ninja"):
+    """cpp_extension runs the first `ninja` on PATH. It is always the pip package's (a dependency): two ninja versions
+    hash a build's command line differently, so a shell that found the venv's ninja and a test run that found the
+    system's (1.13 and 1.11 here) each took the other's build for a changed one and rebuilt it (~40 s)."""
+    try:
+        import ninja
+    except ImportError:  # no package: whatever ninja the host has
         return
-    import ninja
-
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    if shutil.which("ninja") != os.path.join(ninja.BIN_DIR, "ninja"):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

@@ -49,7 +49,7 @@ def _kernel_setup() -> list[str]:
     the kernels do not build here: each node tries its own."""
     from engine.model.kernels import cpu_kernels
 
-    module = cpu_kernels()  # puts the venv's ninja on PATH where there is none
+    module = cpu_kernels()  # puts the venv's ninja first on PATH (engine/model/kernels.py, _ninja_on_path)
     if module is None:
         return []
     return [f"mkdir -p ~/bin && ln -sf {shutil.which('ninja')} ~/bin/ninja",
