@@ -16,7 +16,6 @@ from cluster.config import RaypdConfig, Role, load_config, parse_config
 from cluster.serving.health import Health, health_route
 from cluster.edge.ingress import Ingress
 from cluster.serving.replicas import DRAIN_MARGIN_S, DecodeReplica, EncoderReplica, PrefillReplica
-from engine.parallel.host_cores import BORROWING_ENV
 from cluster.routing.request_router import router_config
 from postproc.actor import PostprocActor
 
@@ -54,10 +53,9 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
     extra = {"request_router_config": routing} if routing is not None else {}
     # A stopping prefill replica waits for its leased KV to be read (replicas.drain): Serve must not kill it sooner.
     prefill = serve.deployment(PrefillReplica, name="prefill").options(
-        **one_loop_options(config.prefill, engine_env(config)), **extra,
+        **one_loop_options(config.prefill), **extra,
         graceful_shutdown_timeout_s=config.engine.kv_lease_s + DRAIN_MARGIN_S + _SERVE_SHUTDOWN_S)
-    decode = serve.deployment(DecodeReplica, name="decode").options(
-        **one_loop_options(config.decode, engine_env(config)), **extra)
+    decode = serve.deployment(DecodeReplica, name="decode").options(**one_loop_options(config.decode), **extra)
     ingress_options = one_loop_options(config.ingress)
     if "max_ongoing_requests" not in config.ingress.model_fields_set:
         # The ingress sheds load itself (429 at once): Serve must hand it every request, and /health, without a queue.
@@ -75,7 +73,7 @@ def build_from_config(config: RaypdConfig) -> serve.Application:
                         config.http.api_key_value(), postprocs, encoder_app(config, key))
 
 
-def one_loop_options(role: Role, env: dict[str, str] | None = None) -> dict:
+def one_loop_options(role: Role) -> dict:
     """A deployment's options with its replicas running our code on the event loop that serves their calls (HTTP
     requests too, for the ingress). Serve's default puts it on a second loop in a thread of its own, and every call,
     streamed item and SSE chunk then crosses between the two. Measured side by side at 16 streams: +10% output tok/s,
@@ -83,17 +81,8 @@ def one_loop_options(role: Role, env: dict[str, str] | None = None) -> dict:
     performance.md). The ingress could do this once /health was answered by an application of its own (a flood the
     ingress sheds still passes through its loop)."""
     options = role.deployment_options()
-    env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", **(env or {})}
-    options["ray_actor_options"]["runtime_env"] = {"env_vars": env}
+    options["ray_actor_options"]["runtime_env"] = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
     return options
-
-
-def engine_env(config: RaypdConfig) -> dict[str, str]:
-    """Environment variables of the engine replicas' processes: where engines borrow idle cores, libgomp's short spin
-    (engine/parallel/host_cores.py, BORROWING_ENV), unless it was exported where the app is built."""
-    if not config.engine.borrow_idle_cores:
-        return {}
-    return {name: value for name, value in BORROWING_ENV.items() if name not in os.environ}
 
 
 def encoder_app(config: RaypdConfig, key: bytes):

@@ -31,12 +31,6 @@ from typing import Iterator
 import numpy as np
 import torch
 
-# The environment an engine process that borrows cores starts with. libgomp's idle threads spin this many times
-# before they sleep; its default (300000) kept a borrowed core busy for ~10 ms after each forward (Zen 4: a process's
-# CPU over the 50 ms after a two-thread op, 9-11 ms; with 10000, 0.1-3.5 ms), taking it from the postproc worker,
-# the ingress and the client just as they carry the prompt's first token. libgomp reads it once, when it loads.
-BORROWING_ENV = {"GOMP_SPINCOUNT": "10000"}
-
 _SLOTS = 64
 _SLOT_BYTES = 16  # threads (float64), busy until (float64, time.monotonic(): one clock for every process on a host)
 _IN_FORWARD_S = 5.0  # how long a claim made for a forward lasts if its process dies in it
