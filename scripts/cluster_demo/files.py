@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import pathlib
-import shutil
 from typing import Any
 
 import yaml
@@ -43,18 +42,15 @@ def cluster_file(ssh_key: pathlib.Path, venv: pathlib.Path) -> dict[str, Any]:
 
 def _kernel_setup() -> list[str]:
     """What local.yaml's kernel build does: this machine's build of the C++ kernels (`make install` made it), else
-    each node compiles them at its replicas' start, ~40 s, both nodes at once. The nodes run the ninja that made the
-    build: the venv's ninja (1.13) and the system's (1.11 here) hash a command line differently, so a build made by
-    the one is "command line changed" to the other and is rebuilt, and rebuilt again here afterwards. Nothing where
-    the kernels do not build here: each node tries its own."""
+    each node compiles them at its replicas' start, ~40 s, both nodes at once. The nodes reuse it as is: they run
+    this venv, whose ninja made it (engine/model/kernels.py, _ninja_on_path). Nothing where the kernels do not build
+    here: each node tries its own."""
     from engine.model.kernels import cpu_kernels
 
-    module = cpu_kernels()  # puts the venv's ninja first on PATH (engine/model/kernels.py, _ninja_on_path)
+    module = cpu_kernels()
     if module is None:
         return []
-    return [f"mkdir -p ~/bin && ln -sf {shutil.which('ninja')} ~/bin/ninja",
-            f"echo 'export PATH=$HOME/bin:$PATH TORCH_EXTENSIONS_DIR={pathlib.Path(module.__file__).parent.parent}' "
-            ">> ~/.bashrc"]
+    return [f"echo 'export TORCH_EXTENSIONS_DIR={pathlib.Path(module.__file__).parent.parent}' >> ~/.bashrc"]
 
 
 # configs/multinode.yaml asks for GPUs and a 7B model; on this CPU machine the tiny model, no GPUs, and no CPU slots
