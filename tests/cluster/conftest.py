@@ -14,11 +14,13 @@ import ray
 from ray import serve
 
 from cluster.serving.app import POSTPROC_NAMESPACE, POSTPROC_PREFIX
+from cluster.serving.haproxy import haproxy_settings
 
 # Token auth is on by default in this Ray; the CLI and the driver must agree, so the test cluster runs without it.
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 # HTTP through HAProxy to the ingress replicas, as `raypd serve` runs it (cluster/serving/haproxy.py).
-for name, value in (("RAY_SERVE_ENABLE_HA_PROXY", "1"), ("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")):
+HAPROXY = haproxy_settings(len(os.sched_getaffinity(0))) | {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+for name, value in HAPROXY.items():
     os.environ.setdefault(name, value)
     ENV.setdefault(name, value)
 

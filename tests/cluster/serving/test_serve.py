@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 
@@ -20,6 +21,7 @@ from cluster.config import parse_config
 from cluster.edge.chat_template import ChatTemplate
 from cluster.edge.openai_protocol import ChatCompletionRequest
 from cluster.serving.directory import Directory
+from cluster.serving.haproxy import haproxy_threads
 from engine.kv.kv_handle import KVHandle
 from llmapi.disaggregated_params import DisaggregatedParams
 from protocol import Submit
@@ -284,6 +286,22 @@ def test_models_and_metrics(server, client):
     text = httpx.get(f"{server[0]}/metrics", timeout=30).text
     assert "raypd_ttft_seconds_count" in text and 'raypd_requests_total{finish_reason="length"}' in text
     assert 'raypd_kv{role="decode",what="kv_blocks_total"}' in text
+
+
+def test_haproxy_runs_the_threads_sized_for_this_host(server, client):
+    # HTTP reached the ingress through HAProxy (Serve's direct ingress), whose worker threads haproxy_threads sets
+    client.completions.create(model="tiny", prompt="threads", max_tokens=2)
+    haproxies = [pid for pid in os.listdir("/proc") if pid.isdigit() and _exe(pid).endswith("/haproxy")]
+    assert haproxies, "no HAProxy process serves the test cluster"
+    threads = {len(os.listdir(f"/proc/{pid}/task")) for pid in haproxies}
+    assert threads == {haproxy_threads(len(os.sched_getaffinity(0)))}
+
+
+def _exe(pid: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:  # gone, or not ours to read
+        return ""
 
 
 def test_live_rescale_of_decode_under_streaming_load(server, client, tiny_llama):
