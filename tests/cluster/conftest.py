@@ -66,7 +66,9 @@ def serve_port(request, ray_cluster) -> int:
     stash = request.config.stash
     if _SERVE_PORT not in stash:
         port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # One proxy, on the head: the cluster's two nodes share this host, so a second node's HAProxy found its ports
+        # taken, and Serve restarted it every ~3 s for the whole session (an actor process and a Serve import each).
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         stash[_SERVE_PORT] = port
     delete_apps(*serve.status().applications)
     yield stash[_SERVE_PORT]
