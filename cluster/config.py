@@ -21,6 +21,9 @@ from cluster.edge.tools import TOOL_CALL_PARSERS
 from cluster.planning.autoscaling import DECODE_SIGNALS, PREFILL_SIGNALS
 
 _SLO_SIGNALS = {"prefill": PREFILL_SIGNALS, "decode": DECODE_SIGNALS}
+# Serve learns that a replica died only from a failed health check: at its default period (10 s) a killed replica's
+# replacement started 0-10 s after the death. The check (is the engine loop alive) costs next to nothing.
+_HEALTH_CHECK_PERIOD_S = 2.0
 
 
 class ConfigError(ValueError):
@@ -142,7 +145,8 @@ class Role(_Strict):
         actor: dict[str, Any] = {"num_gpus": self.num_gpus, "resources": dict(self.resources)}
         if self.num_cpus is not None:
             actor["num_cpus"] = self.num_cpus
-        options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
+        options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
+                                   "health_check_period_s": _HEALTH_CHECK_PERIOD_S}
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.serve_config()
         else:
