@@ -1,5 +1,5 @@
 """CLI servers in tests: waiting until one is healthy, and finding what it left running (every process whose
-working directory is the one it ran in)."""
+working directory is the one it ran in); processes by program."""
 
 from __future__ import annotations
 
@@ -13,10 +13,20 @@ import httpx
 
 def processes_in(directory: pathlib.Path) -> list[int]:
     """Processes whose working directory is `directory` (a CLI run there, and every Ray process it started)."""
+    return _processes_whose("cwd", lambda path: path == directory)
+
+
+def processes_running(program: str) -> list[int]:
+    """Processes whose executable is named `program` (e.g. haproxy)."""
+    return _processes_whose("exe", lambda path: path.name == program)
+
+
+def _processes_whose(link: str, test) -> list[int]:
+    """Processes whose /proc/PID/<link> (cwd, exe) passes `test`; those gone or not ours to read are skipped."""
     pids = []
     for proc in pathlib.Path("/proc").glob("[0-9]*"):
         try:
-            if pathlib.Path(os.readlink(proc / "cwd")) == directory:
+            if test(pathlib.Path(os.readlink(proc / link))):
                 pids.append(int(proc.name))
         except OSError:
             pass

@@ -26,6 +26,7 @@ from engine.kv.kv_handle import KVHandle
 from llmapi.disaggregated_params import DisaggregatedParams
 from protocol import Submit
 from raypd import LLM, GuidedDecodingParams, SamplingParams
+from tests.cluster.procs import processes_running
 from tests.teach import teach
 
 KEY = "sk-raypd-test"
@@ -291,17 +292,10 @@ def test_models_and_metrics(server, client):
 def test_haproxy_runs_the_threads_sized_for_this_host(server, client):
     # HTTP reached the ingress through HAProxy (Serve's direct ingress), whose worker threads haproxy_threads sets
     client.completions.create(model="tiny", prompt="threads", max_tokens=2)
-    haproxies = [pid for pid in os.listdir("/proc") if pid.isdigit() and _exe(pid).endswith("/haproxy")]
+    haproxies = processes_running("haproxy")
     assert haproxies, "no HAProxy process serves the test cluster"
     threads = {len(os.listdir(f"/proc/{pid}/task")) for pid in haproxies}
     assert threads == {haproxy_threads(len(os.sched_getaffinity(0)))}
-
-
-def _exe(pid: str) -> str:
-    try:
-        return os.readlink(f"/proc/{pid}/exe")
-    except OSError:  # gone, or not ours to read
-        return ""
 
 
 def test_live_rescale_of_decode_under_streaming_load(server, client, tiny_llama):
