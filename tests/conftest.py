@@ -8,6 +8,10 @@ import os
 # OpenMP's default spin-wait makes torch threads burn the cores they wait on; on a small shared host that slows
 # everything else (Ray workers, the other engine) by an order of magnitude. Set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every Ray this session starts (a module's own local one, the two-node cluster of tests/cluster) runs without token
+# auth: a driver that started a Ray with it and then joins one without it has every actor it creates cancelled
+# ("all references to the actor were removed"), which failed tests/cluster/owner after tests/postproc in one session.
+os.environ["RAY_AUTH_MODE"] = "disabled"
 
 import json  # noqa: E402
 import re  # noqa: E402
