@@ -50,6 +50,7 @@ class GenerationResult:
         self._num_cached_tokens: int | None = None
         self._drafts: dict[int, tuple[int, int]] = {}  # candidate -> speculative drafts verified, kept
         self._queue: queue.Queue[RequestDelta | BaseException] = queue.Queue()
+        self._deferred: RequestDelta | BaseException | None = None  # a failure catch_up left for the next step
         self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # an async consumer waiting
         self._candidates = [CompletionOutput(i) for i in range(sampling_params.num_candidates)]
         self._done = False
@@ -165,6 +166,24 @@ class GenerationResult:
         await self._astep(None)
         return self
 
+    def catch_up(self) -> int:
+        """Applies the steps already queued behind the current one, without waiting, and returns how many: the *_diff
+        properties then cover them too. A streaming consumer that fell behind the engine sends one chunk for
+        them all instead of one per step (vLLM merges its outputs the same way). A failure is not applied here: the
+        next step raises it, after what came before it has been seen."""
+        applied = 0
+        while not self._done and self._deferred is None:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, BaseException) or item.error is not None:
+                self._deferred = item
+                break
+            self._apply(item)
+            applied += 1
+        return applied
+
     def abort(self) -> None:
         """Asks the engine to stop the request; it then finishes with finish_reason 'cancelled'."""
         if self._aborted or self._done:
@@ -181,10 +200,14 @@ class GenerationResult:
         if remaining is not None and remaining <= 0:
             raise TimeoutError(f"request {self._request_id} did not finish within the timeout")
         try:
-            item = self._queue.get(timeout=remaining)
+            item = self._pop_nowait() if self._deferred is not None else self._queue.get(timeout=remaining)
         except queue.Empty:
             raise TimeoutError(f"request {self._request_id} did not finish within the timeout") from None
         self._handle(item)
+
+    def _pop_nowait(self) -> RequestDelta | BaseException:
+        item, self._deferred = self._deferred, None
+        return item if item is not None else self._queue.get_nowait()
 
     def _handle(self, item: RequestDelta | BaseException) -> None:
         if isinstance(item, BaseException):
@@ -199,7 +222,7 @@ class GenerationResult:
         try:
             while True:
                 try:
-                    item = self._queue.get_nowait()
+                    item = self._pop_nowait()
                     break
                 except queue.Empty:
                     pass

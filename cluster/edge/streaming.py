@@ -56,9 +56,11 @@ async def pieces(results: list[RequestOutput]) -> AsyncIterator[Piece]:
 
 
 async def _pieces_of(prompt: int, result: RequestOutput) -> AsyncIterator[Piece]:
-    """One result's pieces, step by step: what each choice got (a choice's end once)."""
+    """One result's pieces, step by step: what each choice got (a choice's end once). Steps that queued while the
+    consumer was busy come as one piece."""
     ended: set[int] = set()
     async for step in result:
+        step.catch_up()
         for out in step.outputs:
             ends = out.finished and out.index not in ended
             if out.text_diff or out.token_ids_diff or ends:

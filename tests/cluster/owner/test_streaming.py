@@ -127,3 +127,33 @@ def test_a_failed_result_raises_to_the_stream(count):
     failed = RequestDelta(0, (), finished=True, error="the decode worker was lost")
     with pytest.raises(RequestError, match="decode worker was lost"):
         _collect(results, [(results[0], failed)])
+
+
+def _queued_then_streamed(result, deltas):
+    """Every delta queued before the stream reads any: a consumer behind the engine."""
+    async def main():
+        got = []
+        for d in deltas:
+            result.put(d)
+        try:
+            async for p in pieces([result]):
+                got.append(p)
+        except RequestError as exc:
+            got.append(exc)
+        return got
+
+    return asyncio.run(main())
+
+
+def test_steps_queued_behind_a_busy_consumer_stream_as_one_piece():
+    r = _result(3)
+    got = _queued_then_streamed(r, [_step(3, "a"), _step(3, "b"), _step(3, "c", "length")])
+    assert [(p.text, p.token_ids, p.finish_reason) for p in got] == [("abc", [1, 1, 1], "length")]
+
+
+def test_a_failure_queued_behind_steps_comes_after_their_text():
+    r = _result(4)
+    failed = RequestDelta(4, (), finished=True, error="the decode worker was lost")
+    got = _queued_then_streamed(r, [_step(4, "a"), _step(4, "b"), failed, _step(4, "late")])
+    assert [p.text for p in got[:-1]] == ["ab"]
+    assert isinstance(got[-1], RequestError) and "decode worker was lost" in str(got[-1])
