@@ -45,7 +45,7 @@ def test_local_config_is_the_single_node_default(workdir):
     assert config.model == str(workdir / "models" / "tiny-llava")
     assert (config.prefill.replicas, config.decode.replicas, config.ingress.replicas) == (1, 1, 1)
     assert config.encoder.replicas == 1 and not config.multimodal.allow_remote_urls
-    assert config.num_postprocess_workers == 2
+    assert config.num_postprocess_workers == 1
     assert all(getattr(config, role).resources == {} for role in ("prefill", "decode", "postproc", "ingress"))
     assert (config.http.host, config.http.port, config.http.api_key_value()) == ("127.0.0.1", 8000, None)
     engine = config.engine_config(cluster_key=b"k")
