@@ -5,7 +5,7 @@ transfer ("forced"), and `mode: colocated`, one system at a time, at each concur
     python -m benchmarks.serve_peers [--config configs/local.yaml] [--concurrency 1,16] [--num-requests 128]
                                   [--input-len 256] [--output-len 128] [--vllm-python .venv-vllm/bin/python]
                                   [--systems vllm,disaggregated,forced,colocated] [--dtype native]
-                                  [--no-vllm-bench] [--plot FILE.png] [--json FILE]
+                                  [--no-vllm-bench] [--repeats 1] [--plot FILE.png] [--json FILE]
 
 The client is `raypd bench`'s (benchmarks.client), the same seeded prompts for every system, other prompts at each
 concurrency and in each dtype's round (no round finds an earlier one's prompts cached); results print side by side
@@ -16,6 +16,10 @@ checkpoint (engine.config.auto_dtype: bf16 with AMX-BF16 or AVX512-BF16, else fp
 default differs from that (vLLM serves a fp32 checkpoint in bf16 on any CPU, emulated where bf16 is not native), a
 second round with each system's defaults. --dtype float32|bfloat16 runs that dtype only; --dtype defaults the
 defaults only.
+
+--repeats N runs the whole sequence (vLLM, then each raypd system) N times, each repeat on prompts of its own, and
+ends with the medians over the repeats and their ratios to vLLM's: this VM's speed drifts by tens of percent within
+minutes, and one repeat measures vLLM and raypd minutes apart.
 
 `vllm bench serve` (vLLM's own client, from its venv) also runs against raypd's disaggregated endpoint at each
 concurrency: --client-rounds times (3) with the openai backend (completions, as raypd bench sends them) on prompts from
@@ -272,8 +276,9 @@ def rounds(config: RaypdConfig, choice: str) -> list[Round]:
     return [like] if (VLLM_CPU_DEFAULT_DTYPE, raypd_default) == (native, native) else [like, defaults]
 
 
-def run(args) -> dict[str, dict[str, BenchResult]]:
-    """Per round: its results by label. raypd runs every round in one Ray (one deployment at a time)."""
+def run(args, repeat: int = 0) -> dict[str, dict[str, BenchResult]]:
+    """Per round: its results by label. raypd runs every round in one Ray (one deployment at a time). repeat: which
+    repeat of the sequence this is (its prompts are its own)."""
     config = load_config(args.config)
     if args.model:
         config = config.model_copy(update={"model": args.model, "served_model_name": None})
@@ -283,7 +288,7 @@ def run(args) -> dict[str, dict[str, BenchResult]]:
     systems = args.systems.split(",")
     plan = rounds(config, args.dtype)
     # Each round its own prompts: a later round must not find an earlier one's prompts in a cache.
-    benches = [dataclasses.replace(bench, seed=bench.seed + 1000 * i) for i in range(len(plan))]
+    benches = [dataclasses.replace(bench, seed=bench.seed + 1000 * i + _REPEAT_SEED * repeat) for i in range(len(plan))]
     results: dict[str, dict[str, BenchResult]] = {r.name: {} for r in plan}
     checks: list[str] = []
     if "vllm" in systems:
@@ -303,7 +308,7 @@ def run(args) -> dict[str, dict[str, BenchResult]]:
                     with raypd_app(dtyped, mode) as base:
                         key = dtyped.http.api_key_value()
                         measure(f"raypd {mode}", base, b, concurrencies, key, results[r.name])
-                        if mode == "disaggregated" and args.vllm_bench:
+                        if mode == "disaggregated" and args.vllm_bench and repeat == 0:
                             for c in concurrencies:
                                 lines = check_clients(base, dtyped, b, c, results[r.name][f"raypd {mode}, c={c}"],
                                                       args, key, f"[{r.name}] raypd {mode}")
@@ -312,6 +317,29 @@ def run(args) -> dict[str, dict[str, BenchResult]]:
     for line in checks:
         print(line)
     return results
+
+
+_REPEAT_SEED = 10007  # each repeat's prompts: seeds no other run of the sequence uses
+SUMMARY = (("output tok/s", lambda r: r.output_throughput, "{:.0f}"), ("TTFT p50 ms", lambda r: r.latency_ms("ttft").p50,
+           "{:.1f}"), ("TPOT p50 ms", lambda r: r.latency_ms("tpot").p50, "{:.2f}"))
+
+
+def medians(repeats: list[dict[str, BenchResult]], reference: str = "vllm serve") -> str:
+    """One dtype round's results over the repeats: per label and metric the median, each repeat's value, and the
+    median's ratio to the reference system's at the same concurrency."""
+    lines = [f"medians over {len(repeats)} repeats (each repeat's values in brackets); ratio to {reference}'s median"]
+    for label in repeats[0]:
+        system, _, conc = label.rpartition(", ")
+        base = f"{reference}, {conc}"
+        for name, get, form in SUMMARY:
+            values = [get(rr[label]) for rr in repeats]
+            median = statistics.median(values)
+            ratio = ""
+            if system != reference and base in repeats[0]:
+                ratio = f"  {median / statistics.median(get(rr[base]) for rr in repeats):.2f}x"
+            each = ", ".join(form.format(v) for v in values)
+            lines.append(f"  {label:<28} {name:<13} {form.format(median):>8}{ratio:<7} [{each}]")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -331,17 +359,31 @@ def main(argv=None) -> None:
                         help="skip `vllm bench serve` against raypd's disaggregated endpoint")
     parser.add_argument("--client-rounds", type=int, default=3,
                         help="runs of each client, alternating, in the vllm bench serve check (medians compared)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the whole sequence this many times and print the medians (the VM's speed drifts)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument("--plot", default=None, help="write latency CDFs here (PNG; one per dtype round, numbered)")
     parser.add_argument("--json", default=None, help="write every measurement here")
     args = parser.parse_args(argv)
-    results = run(args)
-    for i, (name, round_results) in enumerate(results.items()):
-        print(f"\n{name}\n" + format_table(round_results))
-        if args.plot:
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    repeats = []
+    for repeat in range(args.repeats):
+        if args.repeats > 1:
+            print(f"\n=== repeat {repeat + 1} of {args.repeats}", flush=True)
+        repeats.append(run(args, repeat))
+        for name, round_results in repeats[-1].items():
+            print(f"\n{name}\n" + format_table(round_results), flush=True)
+    if args.repeats > 1:
+        for name in repeats[0]:
+            print(f"\n{name}\n" + medians([rr[name] for rr in repeats]))
+    if args.plot:
+        for i, round_results in enumerate(repeats[0].values()):
             plot_latency_cdfs(round_results, args.plot if i == 0 else f"{args.plot}.{i}.png")
     if args.json:
-        write_json({f"{name}: {label}": r for name, rr in results.items() for label, r in rr.items()}, args.json)
+        write_json({f"{'' if len(repeats) == 1 else f'repeat {k + 1}: '}{name}: {label}": r
+                    for k, results in enumerate(repeats) for name, rr in results.items() for label, r in rr.items()},
+                   args.json)
 
 
 if __name__ == "__main__":
