@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import socket
@@ -320,8 +321,13 @@ def run(args, repeat: int = 0) -> dict[str, dict[str, BenchResult]]:
 
 
 _REPEAT_SEED = 10007  # each repeat's prompts: seeds no other run of the sequence uses
-SUMMARY = (("output tok/s", lambda r: r.output_throughput, "{:.0f}"), ("TTFT p50 ms", lambda r: r.latency_ms("ttft").p50,
-           "{:.1f}"), ("TPOT p50 ms", lambda r: r.latency_ms("tpot").p50, "{:.2f}"))
+SUMMARY = (("output tok/s", lambda r: r.output_throughput, "{:.0f}"), ("TTFT p50 ms", lambda r: _median_of(r, "ttft"),
+           "{:.1f}"), ("TPOT p50 ms", lambda r: _median_of(r, "tpot"), "{:.2f}"))
+
+
+def _median_of(result: BenchResult, metric: str) -> float:
+    p = result.latency_ms(metric)
+    return math.nan if p is None else p.p50  # no sample (every request failed): the summary says nan
 
 
 def medians(repeats: list[dict[str, BenchResult]], reference: str = "vllm serve") -> str:
@@ -336,7 +342,8 @@ def medians(repeats: list[dict[str, BenchResult]], reference: str = "vllm serve"
             median = statistics.median(values)
             ratio = ""
             if system != reference and base in repeats[0]:
-                ratio = f"  {median / statistics.median(get(rr[base]) for rr in repeats):.2f}x"
+                theirs = statistics.median(get(rr[base]) for rr in repeats)
+                ratio = f"  {median / theirs:.2f}x" if theirs > 0 else "  -"  # 0 or nan: nothing of theirs completed
             each = ", ".join(form.format(v) for v in values)
             lines.append(f"  {label:<28} {name:<13} {form.format(median):>8}{ratio:<7} [{each}]")
     return "\n".join(lines)

@@ -166,12 +166,11 @@ class GenerationResult:
         await self._astep(None)
         return self
 
-    def catch_up(self) -> int:
-        """Applies the steps already queued behind the current one, without waiting, and returns how many: the *_diff
-        properties then cover them too. A streaming consumer that fell behind the engine sends one chunk for
+    def catch_up(self) -> None:
+        """Applies the steps already queued behind the current one, without waiting: the *_diff properties then cover
+        them too. A streaming consumer that fell behind the engine sends one chunk for
         them all instead of one per step (vLLM merges its outputs the same way). A failure is not applied here: the
         next step raises it, after what came before it has been seen."""
-        applied = 0
         while not self._done and self._deferred is None:
             try:
                 item = self._queue.get_nowait()
@@ -181,8 +180,6 @@ class GenerationResult:
                 self._deferred = item
                 break
             self._apply(item)
-            applied += 1
-        return applied
 
     def abort(self) -> None:
         """Asks the engine to stop the request; it then finishes with finish_reason 'cancelled'."""

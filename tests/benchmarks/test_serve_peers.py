@@ -26,3 +26,11 @@ def test_medians_over_repeats_and_their_ratio_to_vllm():
     assert ttft.split()[6:8] == ["120.0", "0.60x"]  # 120 ms against vLLM's median 200 ms
     vllm = next(line for line in lines if "vllm serve, c=16" in line and "output tok/s" in line)
     assert "x" not in vllm.split("[")[0].split()[-1]  # the reference has no ratio to itself
+
+
+def test_a_system_that_completed_nothing_gets_no_ratio_and_no_crash():
+    failed = BenchResult(BenchConfig(base_url="", model="m"), 1.0, [RequestRecord(10, 11)])  # not ok
+    lines = medians([{"vllm serve, c=1": failed, "raypd disaggregated, c=1": _result(300, 0.02)}]).splitlines()
+    raypd = [line for line in lines if line.lstrip().startswith("raypd")]
+    assert len(raypd) == 3 and all(line.split("[")[0].split()[-1] == "-" for line in raypd)
+    assert "nan" in next(line for line in lines if "vllm serve" in line and "TTFT" in line)
