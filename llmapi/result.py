@@ -168,9 +168,9 @@ class GenerationResult:
 
     def catch_up(self) -> None:
         """Applies the steps already queued behind the current one, without waiting: the *_diff properties then cover
-        them too. A streaming consumer that fell behind the engine sends one chunk for
-        them all instead of one per step (vLLM merges its outputs the same way). A failure is not applied here: the
-        next step raises it, after what came before it has been seen."""
+        them too. A streaming consumer that fell behind the engine sends one chunk for them all instead of one per
+        step (vLLM merges its outputs the same way). A failure is not applied here: the next step raises it, after
+        what came before it has been seen."""
         while not self._done and self._deferred is None:
             try:
                 item = self._queue.get_nowait()
