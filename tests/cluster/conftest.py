@@ -16,18 +16,16 @@ from ray import serve
 from cluster.serving.app import POSTPROC_NAMESPACE, POSTPROC_PREFIX
 from cluster.serving.haproxy import haproxy_settings
 
-# Token auth is on by default in this Ray; the CLI and the driver must agree, so the test cluster runs without it.
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+# Token auth is off for the CLI and the driver alike: tests/conftest.py sets it for every Ray of the session.
 # HTTP through HAProxy to the ingress replicas, as `raypd serve` runs it (cluster/serving/haproxy.py).
 HAPROXY = haproxy_settings(len(os.sched_getaffinity(0))) | {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 for name, value in HAPROXY.items():
     os.environ.setdefault(name, value)
-    ENV.setdefault(name, value)
 
 
 def _ray(*args: str) -> None:
     ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
-    subprocess.run([ray_cli, *args], env=ENV, check=True, timeout=120, capture_output=True)
+    subprocess.run([ray_cli, *args], check=True, timeout=120, capture_output=True)
 
 
 def _free_port() -> int:
@@ -38,7 +36,6 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def ray_cluster(request):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     port = _free_port()
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=100000000",
               "--disable-usage-stats"]
@@ -50,7 +47,7 @@ def ray_cluster(request):
     finally:
         _shutdown_serve(request.config.stash)  # its HAProxy would outlive `ray stop`, holding its ports
         ray.shutdown()
-        subprocess.run([shutil.which("ray", path=os.path.dirname(sys.executable)), "stop", "--force"], env=ENV,
+        subprocess.run([shutil.which("ray", path=os.path.dirname(sys.executable)), "stop", "--force"],
                        timeout=60, capture_output=True)
 
 

@@ -40,7 +40,7 @@ def test_sigterm_drains_in_flight_streams_then_stops_everything(own_serve, tmp_p
     config["http"]["port"] = port
     config["shutdown_grace_s"] = 60
     (work / "raypd.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local",
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     log_path = work / "raypd-serve.log"
     raypd = shutil.which("raypd", path=os.path.dirname(sys.executable))

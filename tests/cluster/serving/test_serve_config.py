@@ -72,7 +72,7 @@ def served(own_serve, tmp_path_factory):
     for busy in (port, 8265):
         assert _port_free(busy), f"port {busy} is in use: configs/serve.yaml's endpoint and Ray's dashboard need it"
     # RAY_ADDRESS=local: a Ray of its own even while the session's test cluster runs.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local",
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     log = open(work / "serve-run.log", "wb")
     proc = subprocess.Popen([_bin("serve"), "run", "configs/serve.yaml"], cwd=work, env=env, stdout=log,
