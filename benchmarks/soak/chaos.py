@@ -15,8 +15,8 @@ README's "Same tokens" says what holds without it), and runs `run_soak` against 
   takes the KV its leases hold, some of it mid-read. The next fault waits until /health answers 200 again. With
   `min_faults_each` the load goes on past its duration (at most to twice it) until every kind was injected so often.
 - after the load: the fault-free tokens of every request from the embedded engine (`EmbeddedReference`), then every
-  role's KV blocks in use, leases and embedding leases must return to 0 (`leaks`), and the host must run as many Ray
-  actor processes of each kind as before the load (`processes`: a killed replica leaves none behind).
+  role's KV blocks in use, leases and embedding leases must return to 0 (`leaks`), and no actor process the load
+  killed may be left running (`processes`: every process titled as a Ray actor runs a live actor, as before).
 It prints the figures: duration, requests by kind, faults by kind, streams identical, altered, lost (an error or a
 wrong finish), left by their clients, and what was still held. tests/cluster/serving/test_faults.py runs it on its
 deployment for about two minutes.
@@ -77,7 +77,7 @@ class SoakReport:
     lost: list[str]  # an error or a finish other than "length", per request
     left: int  # streams their clients left
     leaks: dict[str, dict[str, float]]  # role -> what was still held after the load (empty: nothing)
-    processes: dict[str, int]  # actor processes after the load minus before, by title (empty: as many as before)
+    processes: dict[str, int]  # actor processes left behind: "title (pid, state, parent, age)" -> 1 (empty: none)
     reprefills: float  # hand-offs whose KV read failed and were prefilled again on the decode side
     resumed: float  # candidates resumed elsewhere after a fault (the ingress's count)
     slowest_s: float  # the longest request
@@ -356,28 +356,54 @@ def held(directory) -> dict[str, dict[str, float]]:
     return out
 
 
-async def _drained(app: str, processes: Counter, within_s: float) -> tuple[dict, dict]:
-    """What is still held, and the actor processes more or fewer than before the load (title -> difference), once
+async def _drained(app: str, strays: set[int], within_s: float) -> tuple[dict, dict]:
+    """What is still held, and the actor processes left behind (`stray_processes` not there before the load), once
     both are back to nothing or after within_s (the first reads still count replicas killed in the last seconds:
-    their entries go stale within STALE_S, and their replacements may still be starting)."""
+    their entries go stale within STALE_S, a killed process may not be reaped yet)."""
     from cluster.serving.directory import Directory
 
     directory, deadline = Directory(app), time.monotonic() + within_s
     while True:
-        now = actor_processes()
         left = held(directory)
-        extra = {t: now[t] - processes[t] for t in now.keys() | processes.keys() if now[t] != processes[t]}
-        if not (left or extra) or time.monotonic() > deadline:
-            return left, extra
+        behind = {pid: title for pid, title in stray_processes().items() if pid not in strays}
+        if not (left or behind) or time.monotonic() > deadline:
+            return left, {f"{title} {_described(pid)}": 1 for pid, title in behind.items()}
         await asyncio.sleep(0.5)
 
 
-def actor_processes() -> Counter:
-    """This host's Ray actor processes by title (ray::<class>), idle workers aside: the soak runs on a local Ray, so
-    a replica killed and replaced leaves the count as it was, and a process left behind shows as one more."""
+def stray_processes() -> dict[int, str]:
+    """pid -> title of this host's processes titled as a Ray actor class (ray::<class>) that no live actor runs in:
+    what a killed actor leaves behind if its process outlives it. The soak runs on this host's Ray (all its nodes
+    here). Compared with Ray's actor table, not with a count taken before: a worker Ray is still restarting then
+    would show as one more later."""
+    from ray._private import state  # the actor table with pids; the public state API needs the dashboard
+
+    actors = state.actors().values()
+    classes = {a["ActorClassName"] for a in actors}
+    live = {a["Pid"] for a in actors if a["State"] == "ALIVE"}
+    return {pid: title for pid, title in actor_processes().items()
+            if title.removeprefix("ray::") in classes and pid not in live}
+
+
+def _described(pid: int) -> str:
+    """A process's pid, state, parent and age, for a report."""
     import os
 
-    titles: Counter = Counter()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return f"(pid {pid}, state {fields[0]}, parent {fields[1]}, {age:.0f} s old)"
+    except (OSError, IndexError, ValueError):
+        return f"(pid {pid}, gone)"
+
+
+def actor_processes() -> dict[int, str]:
+    """This host's Ray worker processes that run an actor, pid -> title (ray::<class>; a busy actor's title also
+    names its method, left out here), idle workers aside."""
+    import os
+
+    titles: dict[int, str] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -385,7 +411,7 @@ def actor_processes() -> Counter:
         except OSError:
             continue  # gone meanwhile
         if title.startswith("ray::") and not title.startswith("ray::IDLE"):
-            titles[title.split()[0].split(".")[0]] += 1  # a busy actor's title names its method: ray::A.method
+            titles[int(pid)] = title.split()[0].split(".")[0]
     return titles
 
 
@@ -421,7 +447,7 @@ async def arun_soak(config: SoakConfig, reference: EmbeddedReference) -> SoakRep
     outcomes: list[Outcome] = []
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     before = [await _counter(config.base_url, n) for n in ('what="num_reprefills"', 'what="resumed"')]
-    processes = actor_processes()
+    strays = set(stray_processes())
     chaos = Chaos(config.app, config.base_url, config.faults, config.interval_s, config.seed)
     load = asyncio.Event()
     load.set()
@@ -437,7 +463,7 @@ async def arun_soak(config: SoakConfig, reference: EmbeddedReference) -> SoakRep
         await asyncio.gather(faults(), *(_client(http, requests, outcomes, load, config.model)
                                          for _ in range(config.concurrency)))
     duration = time.monotonic() - start
-    leaks, extra = await _drained(config.app, processes, _DRAINED_WITHIN_S)
+    leaks, extra = await _drained(config.app, strays, _DRAINED_WITHIN_S)
     after = [await _counter(config.base_url, n) for n in ('what="num_reprefills"', 'what="resumed"')]
     return _report(outcomes, reference, dict(chaos.injected), duration, (leaks, extra), after[0] - before[0],
                    after[1] - before[1])

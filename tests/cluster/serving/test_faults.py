@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ import pytest
 import ray
 
 from benchmarks.soak import EmbeddedReference, SoakConfig, run_soak
+from benchmarks.soak.chaos import stray_processes
 from cluster.config import parse_config
 from cluster.serving.app import POSTPROC_NAMESPACE, POSTPROC_PREFIX, deploy
 from cluster.serving.directory import Directory
@@ -134,14 +136,20 @@ def _fault_under_streams(client, reference, name: str, fault) -> None:
     assert lost == 0, [(t[-20:], r) for t, r in zip(streams.texts, streams.reasons)]
 
 
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=5)
+
+
 def _healthy_again(server) -> None:
     _wait(lambda: httpx.get(f"{server}/health", timeout=5).status_code == 200, 90, "not healthy again")
 
 
 def test_a_killed_postproc_worker_loses_no_stream(server, client, reference):
     worker = ray.get_actor(f"{POSTPROC_PREFIX}0", namespace=POSTPROC_NAMESPACE)
+    pid = _pid(worker)
     drafted = _role_totals()["decode"].get("spec_draft_tokens", 0.0)
     _fault_under_streams(client, reference, "SIGKILL a postproc worker", lambda: ray.kill(worker, no_restart=False))
+    _wait(lambda: _pid(worker) != pid, 60, "the postproc worker was not restarted in a new process")
     _wait(lambda: _role_totals()["decode"].get("spec_draft_tokens", 0.0) > drafted, 10,
           "the decode replica verified no drafts")
     _healthy_again(server)  # it came back and the lanes found it
@@ -168,6 +176,18 @@ def test_a_soak_of_kills_alters_loses_and_leaks_nothing(server, client, referenc
     assert all(report.faults.get(kind, 0) >= 1 for kind in config.faults), report.faults
     assert report.requests.get("seeded", 0) >= 4 and report.requests.get("greedy", 0) >= 4, report.requests
     _restarted_prefill_is_met_and_read_from(client, agents_before)
+    _a_process_left_behind_would_show()
+
+
+def _a_process_left_behind_would_show() -> None:
+    """The soak's process check sees a process titled as a live actor class that no live actor runs in."""
+    title = f"ray::ServeReplica:{APP}:decode"
+    stray = subprocess.Popen([title, "60"], executable="/bin/sleep")
+    try:
+        _wait(lambda: stray_processes().get(stray.pid) == title, 10, "a stray actor process went unseen")
+    finally:
+        stray.kill()
+        stray.wait(10)
 
 
 def _restarted_prefill_is_met_and_read_from(client, agents_before: set[str]) -> None:
