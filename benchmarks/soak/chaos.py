@@ -77,7 +77,7 @@ class SoakReport:
     lost: list[str]  # an error or a finish other than "length", per request
     left: int  # streams their clients left
     leaks: dict[str, dict[str, float]]  # role -> what was still held after the load (empty: nothing)
-    processes: dict[str, int]  # actor processes left behind: "title (pid, state, parent, age)" -> 1 (empty: none)
+    processes: list[str]  # actor processes left behind, each "title (pid, state, parent, age)" (empty: none)
     reprefills: float  # hand-offs whose KV read failed and were prefilled again on the decode side
     resumed: float  # candidates resumed elsewhere after a fault (the ingress's count)
     slowest_s: float  # the longest request
@@ -356,7 +356,7 @@ def held(directory) -> dict[str, dict[str, float]]:
     return out
 
 
-async def _drained(app: str, strays: set[int], within_s: float) -> tuple[dict, dict]:
+async def _drained(app: str, strays: set[int], within_s: float) -> tuple[dict, list[str]]:
     """What is still held, and the actor processes left behind (`stray_processes` not there before the load), once
     both are back to nothing or after within_s (the first reads still count replicas killed in the last seconds:
     their entries go stale within STALE_S, a killed process may not be reaped yet)."""
@@ -367,7 +367,7 @@ async def _drained(app: str, strays: set[int], within_s: float) -> tuple[dict, d
         left = held(directory)
         behind = {pid: title for pid, title in stray_processes().items() if pid not in strays}
         if not (left or behind) or time.monotonic() > deadline:
-            return left, {f"{title} {_described(pid)}": 1 for pid, title in behind.items()}
+            return left, [f"{title} {_described(pid)}" for pid, title in behind.items()]
         await asyncio.sleep(0.5)
 
 
@@ -470,7 +470,7 @@ async def arun_soak(config: SoakConfig, reference: EmbeddedReference) -> SoakRep
 
 
 def _report(outcomes: list[Outcome], reference: EmbeddedReference, faults: dict, duration: float,
-            left_over: tuple[dict, dict], reprefills: float, resumed: float) -> SoakReport:
+            left_over: tuple[dict, list[str]], reprefills: float, resumed: float) -> SoakReport:
     left = [o for o in outcomes if o.request.leave_after and o.error is None]
     kept = [o for o in outcomes if not o.request.leave_after or o.error is not None]
     lost = [f"request {o.request.index} ({o.request.kind}): {o.error or o.reasons}" for o in kept
