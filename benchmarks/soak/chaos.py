@@ -359,7 +359,7 @@ def held(directory) -> dict[str, dict[str, float]]:
 async def _drained(app: str, strays: set[int], within_s: float) -> tuple[dict, list[str]]:
     """What is still held, and the actor processes left behind (`stray_processes` not there before the load), once
     both are back to nothing or after within_s (the first reads still count replicas killed in the last seconds:
-    their entries go stale within STALE_S, a killed process may not be reaped yet)."""
+    their entries go stale within STALE_S, and a killed process may not have exited yet)."""
     from cluster.serving.directory import Directory
 
     directory, deadline = Directory(app), time.monotonic() + within_s
