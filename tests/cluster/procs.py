@@ -1,5 +1,5 @@
 """CLI servers in tests: waiting until one is healthy, and finding what it left running (every process whose
-working directory is the one it ran in); processes by program."""
+working directory is the one it ran in); processes by program; the process an actor runs in."""
 
 from __future__ import annotations
 
@@ -9,6 +9,13 @@ import subprocess
 import time
 
 import httpx
+
+
+def actor_pid(actor, timeout_s: float = 30.0) -> int:
+    """The pid of the process a Ray actor runs in (raises while it is restarting or dead)."""
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=timeout_s)
 
 
 def processes_in(directory: pathlib.Path) -> list[int]:

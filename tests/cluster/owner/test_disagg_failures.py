@@ -19,6 +19,7 @@ from llmapi.disaggregated_params import DisaggregatedParams
 from llmapi.outputs import RequestDelta
 from protocol import Submit
 from tests.cluster.owner.test_disagg_ray import pools_full
+from tests.cluster.procs import actor_pid
 from tests.engine.images import case, mm
 
 CONFIG = EngineConfig(block_size=4, num_threads=1)
@@ -40,7 +41,7 @@ def _kill_prefill_then_decode(workers, model_dir: str) -> None:
         ref = llm.generate("the prefill worker dies", params)
     ids = ref.prompt_token_ids
     context = DisaggregatedParams(request_type="context_only")
-    pid = ray.get(prefill.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    pid = actor_pid(prefill)
     ctx = ray.get(list(prefill.serve.remote(Submit(1, ids, params, context))), timeout=60)[-1]  # after Accepted
     ray.kill(prefill)  # its NIXL agent dies with it, holding the only copy of the prompt's KV
     _wait_gone(pid)
@@ -65,7 +66,7 @@ class PrefillDiesAtItsHandoff:
 
     def __init__(self, roles, prefill):
         self.roles, self.prefill, self.colocated = roles, prefill, False
-        self.pid = ray.get(prefill.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+        self.pid = actor_pid(prefill)
 
     async def encode(self, result, images):
         return await self.roles.encode(result, images)
@@ -124,7 +125,7 @@ class EncoderDiesAfterEncoding:
 
     def __init__(self, roles, encoder):
         self.roles, self.encoder, self.colocated = roles, encoder, False
-        self.pid = ray.get(encoder.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+        self.pid = actor_pid(encoder)
         self.killed = False
 
     async def encode(self, result, images):

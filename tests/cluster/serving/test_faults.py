@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from cluster.serving.app import POSTPROC_NAMESPACE, POSTPROC_PREFIX, deploy
 from cluster.serving.directory import Directory
 from raypd import LLM, SamplingParams
 from tests.cluster.conftest import FAULT_SUMMARY
+from tests.cluster.procs import actor_pid
 
 APP = "raypd-faults"
 MAX_TOKENS = 160
@@ -136,20 +136,16 @@ def _fault_under_streams(client, reference, name: str, fault) -> None:
     assert lost == 0, [(t[-20:], r) for t, r in zip(streams.texts, streams.reasons)]
 
 
-def _pid(actor) -> int:
-    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=5)
-
-
 def _healthy_again(server) -> None:
     _wait(lambda: httpx.get(f"{server}/health", timeout=5).status_code == 200, 90, "not healthy again")
 
 
 def test_a_killed_postproc_worker_loses_no_stream(server, client, reference):
     worker = ray.get_actor(f"{POSTPROC_PREFIX}0", namespace=POSTPROC_NAMESPACE)
-    pid = _pid(worker)
+    pid = actor_pid(worker)
     drafted = _role_totals()["decode"].get("spec_draft_tokens", 0.0)
     _fault_under_streams(client, reference, "SIGKILL a postproc worker", lambda: ray.kill(worker, no_restart=False))
-    _wait(lambda: _pid(worker) != pid, 60, "the postproc worker was not restarted in a new process")
+    _wait(lambda: actor_pid(worker, 5) != pid, 60, "the postproc worker was not restarted in a new process")
     _wait(lambda: _role_totals()["decode"].get("spec_draft_tokens", 0.0) > drafted, 10,
           "the decode replica verified no drafts")
     _healthy_again(server)  # it came back and the lanes found it
