@@ -274,6 +274,8 @@ def test_sample_rows_greedy_and_inverse_cdf_draws(kernels, vocab):
     gen = torch.Generator().manual_seed(7)
     logits = 3 * torch.randn(8, vocab, generator=gen)
     logits[0, [1, 3]] = logits[0].max() + 1  # a tie for the maximum: the lower index wins
+    if vocab > 20:
+        logits[1, [4, 12, 20]] = logits[1].max() + 1  # ties in one vector lane (of 8) and across lanes (of 16)
     logits[5, 2:] = float("-inf")  # two tokens left: nothing else may ever be drawn
     temps = torch.tensor([0.0, 0.0, 1.0, 0.7, 1.5, 1.0, 1.0, 0.05])
     u = torch.tensor([0.0, 0.0, 0.0, 0.31, 0.77, 0.999999, 0.5, 0.9], dtype=torch.float64)
@@ -293,3 +295,4 @@ def test_sample_rows_greedy_and_inverse_cdf_draws(kernels, vocab):
         assert below - 1e-6 <= target <= float(cdf[token]) + 1e-6, (r, token, below, target)
         assert torch.isfinite(logits[r, token]), r
     assert int(tokens[0]) == 1
+    assert vocab <= 20 or int(tokens[1]) == 4

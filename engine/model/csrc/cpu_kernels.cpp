@@ -4,8 +4,9 @@
 // Each has a torch reference (engine/kernels.py TorchOps) that tests/engine/test_kernels.py compares it with.
 // Elementwise kernels round to the tensor dtype exactly where the reference stores an intermediate tensor, so bf16
 // results match it except where a reduction sums in another order. Math is fp32; tensors are float32, bfloat16 or
-// float16. Hot loops use AVX-512 where the compiler targets it (explicitly: GCC leaves these loops scalar) and a
-// scalar path elsewhere; both compute the same formulas.
+// float16. Hot loops use AVX-512 where the compiler targets it (explicitly: GCC leaves these loops scalar), 8-lane
+// AVX2 for those with exps or argmaxes where it has AVX2 + FMA only, and a scalar path elsewhere; all compute the
+// same formulas.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,6 +20,11 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define RAYPD_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// A CPU with AVX2 but no AVX-512 (Zen 1-3, Haswell to Comet Lake): the loops GCC leaves scalar (those with exps, and
+// argmaxes) get 8-lane paths of their own.
+#define RAYPD_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -154,6 +160,72 @@ inline __m512 hsum16(const __m512* v) {
   const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
   const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+#endif
+
+#ifdef RAYPD_AVX2
+// ---- 8 floats at a time (AVX2 + FMA + F16C), the same formulas as the 16-lane helpers above ----
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// float -> bfloat16 bits (round to nearest even, NaN -> 0x7FC0) in the low half of each 32-bit lane
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i out = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i b = bf16_bits8(v);  // each lane < 0x10000: the unsigned-saturating pack keeps it
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+template <typename T> inline __m256 round8(__m256 v);
+template <> inline __m256 round8<float>(__m256 v) { return v; }
+template <> inline __m256 round8<c10::BFloat16>(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+template <> inline __m256 round8<c10::Half>(__m256 v) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  // 2^n from its bits: n is within [-126, 127] after the clamp
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+inline __m256 silu8(__m256 x) {
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 #endif
 
@@ -929,6 +1001,9 @@ void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
 #ifdef RAYPD_AVX512
       for (; i + 16 <= inter; i += 16)
         store16(o + i, _mm512_mul_ps(round16<T>(silu16(load16(g + i))), load16(u + i)));
+#elif defined(RAYPD_AVX2)
+      for (; i + 8 <= inter; i += 8)
+        store8(o + i, _mm256_mul_ps(round8<T>(silu8(load8(g + i))), load8(u + i)));
 #endif
       for (; i < inter; ++i) o[i] = from_f<T>(round_to<T>(silu_f(to_f(g[i]))) * to_f(u[i]));
     }
@@ -1008,6 +1083,28 @@ inline int64_t first_argmax(const float* x, int64_t V, float* mx) {
     const __mmask16 at = _mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ);
     arg = _mm512_mask_reduce_min_epi32(at, bi);  // the lowest index among the lanes holding the maximum
   }
+#elif defined(RAYPD_AVX2)
+  if (V >= 8) {
+    __m256 bv = _mm256_loadu_ps(x);
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), bi = idx;
+    const __m256i step = _mm256_set1_epi32(8);
+    for (j = 8; j + 8 <= V; j += 8) {
+      idx = _mm256_add_epi32(idx, step);
+      const __m256 v = _mm256_loadu_ps(x + j);
+      const __m256 gt = _mm256_cmp_ps(v, bv, _CMP_GT_OQ);  // strict: each lane keeps its first maximum
+      bv = _mm256_blendv_ps(bv, v, gt);
+      bi = _mm256_blendv_epi8(bi, idx, _mm256_castps_si256(gt));
+    }
+    float vals[8];
+    int32_t ids[8];
+    _mm256_storeu_ps(vals, bv);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids), bi);
+    best = *std::max_element(vals, vals + 8);
+    arg = V;
+    for (int l = 0; l < 8; ++l)  // the lowest index among the lanes holding the maximum
+      if (vals[l] == best && ids[l] < arg) arg = ids[l];
+    if (arg == V) arg = ids[0];  // no lane equals it (NaNs): the scalar loop below decides from here
+  }
 #endif
   for (; j < V; ++j)
     if (x[j] > best) best = x[j], arg = j;
@@ -1042,7 +1139,26 @@ void sample_row(const float* x, int64_t V, float temp, double u, float* buf, dou
     total += blocks[b];
   }
 #else
+#ifdef RAYPD_AVX2
+  // whole blocks of 16 as two 8-lane halves; the last, partial block goes to the scalar loop below
+  const __m256 mv = _mm256_set1_ps(m), iv = _mm256_set1_ps(1.f / t), floor = _mm256_set1_ps(-87.f);
+  int64_t b0 = 0;
+  for (; b0 < V / 16; ++b0, j += 16) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int h = 0; h < 16; h += 8) {
+      const __m256 xs = greedy ? _mm256_loadu_ps(x + j + h) : _mm256_mul_ps(_mm256_loadu_ps(x + j + h), iv);
+      const __m256 d = _mm256_sub_ps(xs, mv);
+      const __m256 e = _mm256_and_ps(_mm256_cmp_ps(d, floor, _CMP_GE_OQ), exp8(d));
+      _mm256_storeu_ps(buf + j + h, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    blocks[b0] = static_cast<double>(hsum8(sum));
+    total += blocks[b0];
+  }
+  for (int64_t b = b0; b < nb; ++b) {
+#else
   for (int64_t b = 0; b < nb; ++b) {
+#endif
     double s = 0.0;
     for (int64_t i = 0; i < 16 && j < V; ++i, ++j) {
       const float d = x[j] / t - m;
