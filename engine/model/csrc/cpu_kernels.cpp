@@ -522,6 +522,126 @@ void weighted_values_avx512(const T* vc, const DecodeItem& it, const float* prob
 }
 #endif
 
+#ifdef RAYPD_AVX2
+// The same two passes on 8 lanes (AVX2 + FMA): chunks of 8 keys with one accumulator per key for the scores, and
+// per query head the value rows' weighted sum in registers, 64 dims at a time.
+// [sum(v[0]), ..., sum(v[7])]
+inline __m256 hsum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  // per 128-bit half: the partial sums of v0..v3 (u0) and of v4..v7 (u1)
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// softmax in place over the first n of each of the group's score rows (group, n_pad); padding gets probability 0
+inline void softmax_rows8(float* scores, int64_t group, int64_t n, int64_t n_pad) {
+  const int64_t full = n / 8 * 8;
+  const __m256 tail = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(float(n - full)),
+                                    _CMP_LT_OQ);
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * n_pad;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < full; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+    if (n > full) mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, _mm256_loadu_ps(s + full), tail));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    const __m256 m = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n_pad; j += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+      if (j >= full) e = _mm256_and_ps(e, j == full ? tail : _mm256_setzero_ps());
+      _mm256_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));
+    for (int64_t j = 0; j < n_pad; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+  }
+}
+
+// The fp32 rows of one chunk of up to 8 keys starting at key c (as chunk_rows, 8 at a time)
+template <typename T>
+void chunk_rows8(const T* cache, const DecodeItem& it, int64_t c, float* buf, const float* zeros, const float** rows) {
+  const int64_t cnt = std::min<int64_t>(8, it.n - c), dv = it.dim / 8;
+  for (int64_t j = 0; j < 8; ++j) {
+    if (j >= cnt) {
+      rows[j] = zeros;
+    } else if constexpr (std::is_same_v<T, float>) {
+      rows[j] = cache + it.offs[c + j];
+    } else {
+      const T* src = cache + it.offs[c + j];
+      for (int64_t i = 0; i < dv; ++i) _mm256_storeu_ps(buf + j * it.dim + 8 * i, load8(src + 8 * i));
+      rows[j] = buf + j * it.dim;
+    }
+  }
+}
+
+template <typename T>
+void scores_softmax_avx2(const T* kc, const DecodeItem& it, float* scores, int64_t n_pad, float* kbuf,
+                         const float* zeros) {
+  const int64_t dim = it.dim, dv = dim / 8;
+  const float* rows[8];
+  for (int64_t c = 0; c < it.n; c += 8) {
+    chunk_rows8(kc, it, c, kbuf, zeros, rows);  // converted once, read by every query head of the group
+    for (int64_t g = 0; g < it.group; ++g) {
+      const float* q = it.q + g * dim;
+      __m256 part[8];
+      for (int j = 0; j < 8; ++j) part[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < dv; ++i) {
+        const __m256 qv = _mm256_loadu_ps(q + 8 * i);
+        for (int j = 0; j < 8; ++j) part[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + 8 * i), part[j]);
+      }
+      _mm256_storeu_ps(scores + g * n_pad + c, hsum8x8(part));
+    }
+  }
+  softmax_rows8(scores, it.group, it.n, n_pad);
+}
+
+// acc[g, d0 : d0 + 8 DV] <- probs[g] . values[:, d0 : d0 + 8 DV] for each query head g, the DV accumulators in
+// registers across the whole context (two sets, even and odd keys, where few: their FMA chains overlap)
+template <typename T, int DV>
+void weighted_values_slice8(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc,
+                            int64_t d0) {
+  constexpr int kSets = DV <= 4 ? 2 : 1;
+  for (int64_t g = 0; g < it.group; ++g) {
+    __m256 a[kSets][DV];
+    for (int s = 0; s < kSets; ++s)
+      for (int i = 0; i < DV; ++i) a[s][i] = _mm256_setzero_ps();
+    const float* p = probs + g * n_pad;
+    auto key = [&](int s, int64_t j) {
+      const T* r = vc + it.offs[j] + d0;
+      const __m256 pb = _mm256_set1_ps(p[j]);
+      for (int i = 0; i < DV; ++i) a[s][i] = _mm256_fmadd_ps(pb, load8(r + 8 * i), a[s][i]);
+    };
+    int64_t j = 0;
+    for (; j + kSets <= it.n; j += kSets)
+      for (int s = 0; s < kSets; ++s) key(s, j + s);
+    for (; j < it.n; ++j) key(0, j);
+    for (int i = 0; i < DV; ++i) {
+      __m256 sum = a[0][i];
+      for (int s = 1; s < kSets; ++s) sum = _mm256_add_ps(sum, a[s][i]);
+      _mm256_storeu_ps(acc + g * it.dim + d0 + 8 * i, sum);
+    }
+  }
+}
+
+template <typename T>
+void weighted_values_avx2(const T* vc, const DecodeItem& it, const float* probs, int64_t n_pad, float* acc) {
+  int64_t d = 0;
+  for (; d + 64 <= it.dim; d += 64) weighted_values_slice8<T, 8>(vc, it, probs, n_pad, acc, d);
+  switch ((it.dim - d) / 8) {
+    case 1: return weighted_values_slice8<T, 1>(vc, it, probs, n_pad, acc, d);
+    case 2: return weighted_values_slice8<T, 2>(vc, it, probs, n_pad, acc, d);
+    case 3: return weighted_values_slice8<T, 3>(vc, it, probs, n_pad, acc, d);
+    case 4: return weighted_values_slice8<T, 4>(vc, it, probs, n_pad, acc, d);
+    case 5: return weighted_values_slice8<T, 5>(vc, it, probs, n_pad, acc, d);
+    case 6: return weighted_values_slice8<T, 6>(vc, it, probs, n_pad, acc, d);
+    case 7: return weighted_values_slice8<T, 7>(vc, it, probs, n_pad, acc, d);
+    default: return;
+  }
+}
+#endif
+
 #ifdef RAYPD_AVX512
 // The bf16 scores pass where the CPU has VDPBF16PS; false: the caller runs the fp32 one.
 template <typename T>
@@ -558,6 +678,8 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
 #ifdef RAYPD_AVX512
   const bool simd = dim % 16 == 0;
   const bool dot_bf16 = std::is_same_v<T, c10::BFloat16> && dim % 32 == 0;
+#elif defined(RAYPD_AVX2)
+  const bool simd = dim % 8 == 0;
 #endif
 
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -582,6 +704,11 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
         if (!dot_bf16 || !bf16_scores(kc, it, qrow, qs1, fscale, scores.data(), n_pad))
           scores_softmax_avx512(kc, it, scores.data(), n_pad, kbuf.data(), zeros.data());
         weighted_values_avx512(vc, it, scores.data(), n_pad, acc.data(), kbuf.data(), zeros.data());
+      } else
+#elif defined(RAYPD_AVX2)
+      if (simd) {
+        scores_softmax_avx2(kc, it, scores.data(), n_pad, kbuf.data(), zeros.data());
+        weighted_values_avx2(vc, it, scores.data(), n_pad, acc.data());
       } else
 #endif
       {
