@@ -186,12 +186,18 @@ def demo(fleet: nodes.Fleet, step) -> None:
         # so it replaces every replica in turn (configs/cluster/README.md says how to rescale in place instead).
         print(f"the rescale kept {kept} of the {len(old)} replicas it found; Serve replaced the others one at a time")
     with step("ray down, and `ray stop` on each worker (the local provider's ray down stops the head only)"):
-        laptop.ray_cli("down", str(laptop.cluster), "-y")
-        # --force: the head is gone, so nothing is left to drain; a graceful `ray stop` sat out most of its 16 s
-        # grace period (raylet and its agents outlived SIGTERM by over 5 s on both workers, 12 s per stop)
-        with ThreadPoolExecutor(2) as pool:  # both workers at once
+        with ThreadPoolExecutor(3) as pool:
+            down = pool.submit(laptop.ray_cli, "down", str(laptop.cluster), "-y")
+            # The workers are stopped once the head has no Ray left (its autoscaler would restart a worker it saw
+            # go), not once `ray down` returns: after its `ray stop` on the head it sleeps 5 s before it looks
+            # whether the head is gone.
+            wait_for("the head without Ray processes", RAY_CLI_TIMEOUT_S,
+                     lambda: down.done() or not leftovers(fleet)[files.HEAD.name])
+            # --force: the head is gone, so nothing is left to drain; a graceful `ray stop` sat out most of its 16 s
+            # grace period (raylet and its agents outlived SIGTERM by over 5 s on both workers, 12 s per stop)
             list(pool.map(lambda node: fleet.ssh(node, "source ~/.bashrc && ray stop --force", timeout=120),
-                          (files.PREFILL, files.DECODE)))
+                          (files.PREFILL, files.DECODE)))  # both workers at once
+            down.result()
         try:
             wait_for("every node without Ray processes", 60, lambda: not any(leftovers(fleet).values()))
         except TimeoutError:

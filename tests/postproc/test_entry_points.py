@@ -25,13 +25,14 @@ import json, sys, time
 print("module level ran", flush=True)
 from raypd import LLM, SamplingParams
 
-llm = LLM(sys.argv[1], block_size=4, num_postprocess_workers=2, post_processor_hook=sys.argv[2] or None)
-print("workers", json.dumps([p.pid for p in llm._postproc._procs]), flush=True)
-if sys.argv[3] == "hang":
-    time.sleep(600)
-outs = llm.generate({prompts!r}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-print("texts", json.dumps([o.outputs[0].text for o in outs]), flush=True)
-llm.shutdown()
+for hook in sys.argv[2].split(","):  # one LLM after another, each with its own workers
+    llm = LLM(sys.argv[1], block_size=4, num_postprocess_workers=2, post_processor_hook=hook or None)
+    print("workers", json.dumps([p.pid for p in llm._postproc._procs]), flush=True)
+    if sys.argv[3] == "hang":
+        time.sleep(600)
+    outs = llm.generate({prompts!r}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    print("texts", json.dumps([o.outputs[0].text for o in outs]), flush=True)
+    llm.shutdown()
 """
 
 HOOK = """\
@@ -94,20 +95,24 @@ def test_package_exports_the_reference_api_names():
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
-@pytest.mark.parametrize("hook", ["", "user_hooks.Upper"])
-def test_plain_script_without_main_guard_runs_with_worker_processes(tmp_path, tiny_llama, hook):
+def test_plain_script_without_main_guard_runs_with_worker_processes(tmp_path, tiny_llama):
+    """Without a hook, then with one, in one run of the script (one interpreter start and one reference LLM serve
+    both); the second LLM in the script must start and stop its workers as cleanly as the first."""
     script = _script(tmp_path)
-    out = subprocess.run([sys.executable, str(script), tiny_llama, hook, "run"], capture_output=True, text=True,
-                         cwd=tmp_path, env=_env(), timeout=TIMEOUT_S)
+    hooks = ["", "user_hooks.Upper"]
+    out = subprocess.run([sys.executable, str(script), tiny_llama, ",".join(hooks), "run"], capture_output=True,
+                         text=True, cwd=tmp_path, env=_env(), timeout=TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-3000:]
     # multiprocessing's spawn would have re-run the module in each worker (and failed there, bootstrapping)
     assert _lines(out.stdout, "module level ran") == [""]
     with LLM(tiny_llama, block_size=4) as reference:  # no workers: detokenized on the engine thread
         expected = [o.outputs[0].text for o in reference.generate(
             PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
-    got = json.loads(_lines(out.stdout, "texts")[0])
-    assert got == ([t.upper() for t in expected] if hook else expected)
-    assert all(_gone(pid) for pid in json.loads(_lines(out.stdout, "workers")[0]))
+    got = [json.loads(line) for line in _lines(out.stdout, "texts")]
+    assert got == [[t.upper() for t in expected] if hook else expected for hook in hooks]
+    workers = [json.loads(line) for line in _lines(out.stdout, "workers")]
+    assert len(workers) == len(hooks) and all(len(pids) == 2 for pids in workers), workers
+    assert all(_gone(pid) for pids in workers for pid in pids)
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
