@@ -1,7 +1,7 @@
 """Offline throughput against vLLM's CPU backend: the same seeded workloads, the same checkpoints, one system at a time.
 
-    python -m benchmarks.offline_peers [--workloads bench-fp32,bench-bf16,qwen-0.5b-bf16,qwen3-moe-fp32,mixtral-fp32,
-                                              deepseek-v3-fp32]
+    python -m benchmarks.offline_peers [--workloads bench-fp32,bench-bf16,bench-32k-fp32,qwen-0.5b-bf16,qwen-0.5b-fp32,
+                                              qwen3-moe-fp32,mixtral-fp32,deepseek-v3-fp32]
                                  [--systems raypd,vllm]
                                  [--vllm-python .venv-vllm/bin/python] [--threads 2] [--repeats 1] [--out FILE.md]
 
@@ -48,6 +48,8 @@ class Checkpoint:
 
 
 BENCH = Checkpoint("models/tiny-llama-bench", "llama", "bench", "float32")
+# The bench layers with Llama 2's 32k vocabulary (~37M): the head then costs as much as the layers, per decoded token.
+BENCH_32K = Checkpoint("models/tiny-llama-bench-32k", "llama", "bench", "float32", config=(("vocab_size", 32000),))
 QWEN_05B = Checkpoint("models/qwen2.5-0.5b-shapes", "qwen2", "0.5b", "bfloat16")
 # Mixture of experts at the bench size: 8 experts, 2 per token (raypd.tools.tiny's MoE shapes).
 QWEN3_MOE = Checkpoint("models/tiny-qwen3-moe-bench", "qwen3_moe", "bench", "float32")
@@ -71,7 +73,10 @@ class Workload:
 WORKLOADS = {w.name: w for w in (
     Workload("bench-fp32", BENCH, "float32", 32, (16, 256), (16, 128)),
     Workload("bench-bf16", BENCH, "bfloat16", 32, (16, 256), (16, 128)),
+    Workload("bench-32k-fp32", BENCH_32K, "float32", 32, (16, 256), (16, 128)),
     Workload("qwen-0.5b-bf16", QWEN_05B, "bfloat16", 16, (64, 512), (16, 128)),
+    # the same in fp32: like for like on a CPU without native bf16, where vLLM's bf16 is emulated
+    Workload("qwen-0.5b-fp32", QWEN_05B, "float32", 16, (64, 512), (16, 128)),
     Workload("qwen3-moe-fp32", QWEN3_MOE, "float32", 32, (16, 256), (16, 128)),
     Workload("mixtral-fp32", MIXTRAL, "float32", 32, (16, 256), (16, 128)),
     Workload("deepseek-v3-fp32", DEEPSEEK_V3, "float32", 32, (16, 256), (16, 128)),
