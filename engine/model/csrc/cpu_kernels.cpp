@@ -5,8 +5,7 @@
 // Elementwise kernels round to the tensor dtype exactly where the reference stores an intermediate tensor, so bf16
 // results match it except where a reduction sums in another order. Math is fp32; tensors are float32, bfloat16 or
 // float16. Hot loops use AVX-512 where the compiler targets it (explicitly: GCC leaves these loops scalar), 8-lane
-// AVX2 for those with exps or argmaxes where it has AVX2 + FMA only, and a scalar path elsewhere; all compute the
-// same formulas.
+// AVX2 where it has AVX2 + FMA but no AVX-512, and a scalar path elsewhere; all compute the same formulas.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,8 +21,8 @@
 #define RAYPD_AVX512 1
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// A CPU with AVX2 but no AVX-512 (Zen 1-3, Haswell to Comet Lake): the loops GCC leaves scalar (those with exps, and
-// argmaxes) get 8-lane paths of their own.
+// A CPU with AVX2 but no AVX-512 (Zen 1-3, Haswell to Comet Lake): the loops GCC leaves scalar (exps, argmaxes, the
+// decode attention's dot products) get 8-lane paths of their own.
 #define RAYPD_AVX2 1
 #include <immintrin.h>
 #endif
@@ -300,8 +299,8 @@ inline void row_offsets(int64_t* offs, const int32_t* table, int64_t first, int6
   }
 }
 
-// The portable path (no AVX-512) is written for the compiler's vectorizer: a float sum it may not reorder stays
-// scalar, so reductions keep eight partial sums (one AVX2 register) and exps are computed in a loop of their own.
+// The scalar path (neither AVX-512 nor AVX2 + FMA) is written for the compiler's vectorizer: a float sum it may not
+// reorder stays scalar, so reductions keep eight partial sums and exps are computed in a loop of their own.
 template <typename T>
 inline float dot_row(const float* q, const T* k, int64_t dim) {
   float lanes[8] = {};
