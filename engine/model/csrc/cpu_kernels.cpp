@@ -1265,26 +1265,24 @@ void sample_row(const float* x, int64_t V, float temp, double u, float* buf, dou
     total += blocks[b];
   }
 #else
+  int64_t b0 = 0;  // blocks done on 8 lanes
 #ifdef RAYPD_AVX2
   // whole blocks of 16 as two 8-lane halves; the last, partial block goes to the scalar loop below
-  const __m256 mv = _mm256_set1_ps(m), iv = _mm256_set1_ps(1.f / t), floor = _mm256_set1_ps(-87.f);
-  int64_t b0 = 0;
+  const __m256 mv = _mm256_set1_ps(m), iv = _mm256_set1_ps(1.f / t), lowest = _mm256_set1_ps(-87.f);
   for (; b0 < V / 16; ++b0, j += 16) {
     __m256 sum = _mm256_setzero_ps();
     for (int h = 0; h < 16; h += 8) {
       const __m256 xs = greedy ? _mm256_loadu_ps(x + j + h) : _mm256_mul_ps(_mm256_loadu_ps(x + j + h), iv);
       const __m256 d = _mm256_sub_ps(xs, mv);
-      const __m256 e = _mm256_and_ps(_mm256_cmp_ps(d, floor, _CMP_GE_OQ), exp8(d));
+      const __m256 e = _mm256_and_ps(_mm256_cmp_ps(d, lowest, _CMP_GE_OQ), exp8(d));
       _mm256_storeu_ps(buf + j + h, e);
       sum = _mm256_add_ps(sum, e);
     }
     blocks[b0] = static_cast<double>(hsum8(sum));
     total += blocks[b0];
   }
-  for (int64_t b = b0; b < nb; ++b) {
-#else
-  for (int64_t b = 0; b < nb; ++b) {
 #endif
+  for (int64_t b = b0; b < nb; ++b) {
     double s = 0.0;
     for (int64_t i = 0; i < 16 && j < V; ++i, ++j) {
       const float d = x[j] / t - m;
