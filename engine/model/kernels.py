@@ -85,6 +85,7 @@ class CpuKernelOps(TorchOps):
     def __init__(self, module, batch_invariant: bool = False):
         self.k = module
         self._prefill_bf16 = module.prefill_available()  # built for a CPU with AVX512-BF16 (AMX or not)
+        self._prefill_f32 = module.prefill_f32_available()  # built for a CPU with AVX2 + FMA and no AVX-512
         self.prefill_tiles = True  # AMX tiles where the CPU has them; False: its VDPBF16PS path (tests run both)
         # Every query (prefill tokens too) attends through the per-query decode kernel: a token's attention, and so
         # its sequence's logits, are then the same bits however the step batches, chunks or resumes it.
@@ -126,8 +127,12 @@ class CpuKernelOps(TorchOps):
                                     window or 0, scale)
         if meta.prefills and self._prefill_in_place(q, window):
             for plan in meta.prefills:  # the chunk's keys are in the cache already: read it in place
-                self.k.prefill_attention(out, q, k_cache, v_cache, plan.table, plan.row, plan.start, plan.num_new,
-                                         scale, self.prefill_tiles)
+                if q.dtype == torch.float32:
+                    self.k.prefill_attention_f32(out, q, k_cache, v_cache, plan.table, plan.row, plan.start,
+                                                 plan.num_new, scale)
+                else:
+                    self.k.prefill_attention(out, q, k_cache, v_cache, plan.table, plan.row, plan.start,
+                                             plan.num_new, scale, self.prefill_tiles)
             return out
         for plan, mask in zip(meta.prefills, meta.prefill_masks(window, q.dtype)):
             rows = slice(plan.row, plan.row + plan.num_new)
@@ -135,11 +140,15 @@ class CpuKernelOps(TorchOps):
         return out
 
     def _prefill_in_place(self, q, window) -> bool:
-        """The C++ prefill kernel: bf16 where the CPU has AVX512-BF16 (on AMX tiles where it has AMX-BF16), causal
-        without a window, head_dim a multiple of 32 up to 256. fp32 keeps SDPA (its parity with transformers is
-        exact)."""
+        """The C++ prefill kernels, causal without a window: bf16 where the CPU has AVX512-BF16 (on AMX tiles where
+        it has AMX-BF16), head_dim a multiple of 32 up to 256; fp32 on 8 lanes where it has AVX2 + FMA but no
+        AVX-512 (torch's SDPA is slow there), head_dim a multiple of 16 up to 256. Elsewhere SDPA."""
         dim = q.shape[2]
-        return window is None and q.dtype == torch.bfloat16 and dim % 32 == 0 and dim <= 256 and self._prefill_bf16
+        if window is not None or dim > 256:
+            return False
+        if q.dtype == torch.bfloat16:
+            return dim % 32 == 0 and self._prefill_bf16
+        return q.dtype == torch.float32 and dim % 16 == 0 and self._prefill_f32
 
 
 REFERENCE = TorchOps()

@@ -124,9 +124,37 @@ def _has(flag: str) -> bool:
 PREFILL_STEP = [(0, 345), (100, 70), (5, 16), (0, 33), (250, 1)]
 
 
+PREFILL_SHAPES = [(4, 2, 64), (14, 2, 64), (8, 8, 128), (6, 2, 96), (4, 2, 32), (2, 1, 256)]
+
+
+def _prefill_case(kernels, heads: int, kv_heads: int, head_dim: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """PREFILL_STEP's chunks through the kernels and through the reference: (ours, theirs); the cache is unchanged
+    but for the chunks' own keys and values."""
+    block_size, gen = 16, torch.Generator().manual_seed(5)
+    needs = [-(-(start + n) // block_size) for start, n in PREFILL_STEP]
+    layout = KVLayout(1, kv_heads, head_dim, block_size, str(dtype).removeprefix("torch."))
+    cache = KVCache(layout, sum(needs) + 2)
+    cache.arena.copy_(torch.randn(cache.arena.shape, generator=gen))
+    meta = AttentionMetadata.build([SeqSlice((t,), s, n) for t, (s, n) in
+                                    zip(_scattered(needs, cache.num_blocks, seed=6), PREFILL_STEP)], block_size, "cpu")
+    q = torch.randn(meta.num_tokens, heads, head_dim, generator=gen).to(dtype)
+    kv = torch.randn(meta.num_tokens, 2, kv_heads, head_dim, generator=gen).to(dtype)
+    ref_cache = cache.arena.clone()
+    ref = REFERENCE.paged_attention(q, kv[:, 0], kv[:, 1], ref_cache[:, 0, 0], ref_cache[:, 0, 1], meta,
+                                    head_dim**-0.5, None)
+    ours = kernels.paged_attention(q, kv[:, 0], kv[:, 1], *cache.layer(0), meta, head_dim**-0.5, None)
+    assert torch.equal(cache.arena, ref_cache)
+    if dtype != torch.float32:
+        exact_cache = ref_cache.float()
+        exact = REFERENCE.paged_attention(q.float(), kv[:, 0].float(), kv[:, 1].float(), exact_cache[:, 0, 0],
+                                          exact_cache[:, 0, 1], meta, head_dim**-0.5, None)
+        # both round the probabilities and the output to bf16: as close to the fp32 answer as SDPA, give or take
+        assert (ours.float() - exact).abs().mean() <= (ref.float() - exact).abs().mean() * 1.1
+    return ours, ref
+
+
 @pytest.mark.parametrize("tiles", [True, False], ids=["amx", "vdpbf16ps"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (14, 2, 64), (8, 8, 128), (6, 2, 96), (4, 2, 32),
-                                                    (2, 1, 256)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", PREFILL_SHAPES)
 def test_bf16_prefill_attention_against_reference(kernels, heads, kv_heads, head_dim, tiles, monkeypatch):
     if tiles and not _has("amx_bf16"):
         pytest.skip("this CPU has no AMX-BF16: bf16 prefill attention runs on VDPBF16PS (the other case)")
@@ -134,26 +162,19 @@ def test_bf16_prefill_attention_against_reference(kernels, heads, kv_heads, head
         pytest.skip("this CPU has no AVX512-BF16: bf16 prefill attention runs torch's SDPA")
     assert kernels.k.prefill_available(), "the CPU has AVX512-BF16 but the kernel was built without it"
     monkeypatch.setattr(kernels, "prefill_tiles", tiles)
-    block_size, gen = 16, torch.Generator().manual_seed(5)
-    needs = [-(-(start + n) // block_size) for start, n in PREFILL_STEP]
-    layout = KVLayout(1, kv_heads, head_dim, block_size, "bfloat16")
-    cache = KVCache(layout, sum(needs) + 2)
-    cache.arena.copy_(torch.randn(cache.arena.shape, generator=gen))
-    meta = AttentionMetadata.build([SeqSlice((t,), s, n) for t, (s, n) in
-                                    zip(_scattered(needs, cache.num_blocks, seed=6), PREFILL_STEP)], block_size, "cpu")
-    q = torch.randn(meta.num_tokens, heads, head_dim, generator=gen).bfloat16()
-    kv = torch.randn(meta.num_tokens, 2, kv_heads, head_dim, generator=gen).bfloat16()
-    ref_cache = cache.arena.clone()
-    ref = REFERENCE.paged_attention(q, kv[:, 0], kv[:, 1], ref_cache[:, 0, 0], ref_cache[:, 0, 1], meta,
-                                    head_dim**-0.5, None)
-    ours = kernels.paged_attention(q, kv[:, 0], kv[:, 1], *cache.layer(0), meta, head_dim**-0.5, None)
-    assert torch.equal(cache.arena, ref_cache)
+    ours, ref = _prefill_case(kernels, heads, kv_heads, head_dim, torch.bfloat16)
     torch.testing.assert_close(ours.float(), ref.float(), **TOL[torch.bfloat16])
-    exact_cache = ref_cache.float()
-    exact = REFERENCE.paged_attention(q.float(), kv[:, 0].float(), kv[:, 1].float(), exact_cache[:, 0, 0],
-                                      exact_cache[:, 0, 1], meta, head_dim**-0.5, None)
-    # both round the probabilities and the output to bf16: as close to the fp32 answer as SDPA, give or take
-    assert (ours.float() - exact).abs().mean() <= (ref.float() - exact).abs().mean() * 1.1
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", PREFILL_SHAPES + [(3, 1, 16), (4, 4, 48)])
+def test_f32_prefill_attention_against_reference(kernels, heads, kv_heads, head_dim):
+    if _has("avx512f") or not (_has("avx2") and _has("fma") and _has("f16c")):
+        pytest.skip("fp32 prefill attention has its own kernel only on CPUs with AVX2 + FMA and no AVX-512 (SDPA "
+                    "elsewhere)")
+    assert kernels.k.prefill_f32_available(), "the CPU has AVX2 + FMA but the kernel was built without them"
+    assert kernels._prefill_in_place(torch.empty(1, heads, head_dim), None)
+    ours, ref = _prefill_case(kernels, heads, kv_heads, head_dim, torch.float32)
+    torch.testing.assert_close(ours, ref, **TOL[torch.float32])
 
 
 def test_decode_attention_refuses_a_context_longer_than_its_table(kernels):

@@ -1029,6 +1029,162 @@ void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tenso
 }
 #endif
 
+// ---- fp32 prefill attention, 8 lanes (AVX2 + FMA, no AVX-512) ----
+// The bf16 kernel's plan in fp32: a KV head's keys packed 8 at a time (dims as rows) and its values as contiguous
+// rows, then per tile of 16 queries their score rows in full, a softmax, and P V. torch's flash SDPA ran a 345-token
+// chunk of the tiny model's heads at ~7-14 GFLOP/s a core on Zen 3 (docs/performance.md); here every product is an
+// FMA with 8 independent accumulators.
+#ifdef RAYPD_AVX2
+constexpr int64_t kRows8 = 16;  // queries per tile: two score passes of 8 rows, four P V passes of 4
+
+// keys [0, ctx) of one KV head -> packed[(c * dim + d) * 8 + j] = dim d of key 8 c + j (zero past ctx)
+void pack_keys8(const float* kc, const int64_t* offs, int64_t ctx, int64_t keys_pad, int64_t dim, float* packed) {
+  std::memset(packed, 0, keys_pad * dim * sizeof(float));
+  for (int64_t j = 0; j < ctx; ++j) {
+    const float* row = kc + offs[j];
+    float* dst = packed + (j / 8) * dim * 8 + (j % 8);
+    for (int64_t d = 0; d < dim; ++d) dst[d * 8] = row[d];
+  }
+}
+
+// values [0, ctx) of one KV head as contiguous rows (zero past ctx)
+void pack_values8(const float* vc, const int64_t* offs, int64_t ctx, int64_t keys_pad, int64_t dim, float* rows) {
+  std::memset(rows + ctx * dim, 0, (keys_pad - ctx) * dim * sizeof(float));
+  for (int64_t j = 0; j < ctx; ++j) std::memcpy(rows + j * dim, vc + offs[j], dim * sizeof(float));
+}
+
+// scores[r * n_pad + 8 c + j] = q_r . key(8 c + j) for 8 query rows over key chunks [0, chunks)
+void scores_rows8(const float* q, int64_t dim, const float* keys, int64_t chunks, int64_t n_pad, float* scores) {
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m256 acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+    const float* kb = keys + c * dim * 8;
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m256 kv = _mm256_loadu_ps(kb + d * 8);
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * dim + d), kv, acc[r]);
+    }
+    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(scores + r * n_pad + c * 8, acc[r]);
+  }
+}
+
+// one row's scores [0, 8 chunks) -> exp((s - max) * scale) over its first n keys, zero after; returns 1 / their sum
+float softmax_row8(float* s, int64_t n, int64_t chunks, float scale) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  auto keep = [&](int64_t j) { return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - j)), lane)); };
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 8) mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, _mm256_loadu_ps(s + j), keep(j)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4)), sv = _mm256_set1_ps(scale);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < chunks * 8; j += 8) {
+    const __m256 e = _mm256_and_ps(keep(j), exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m), sv)));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(s + j, e);
+  }
+  return 1.f / hsum8(sum);
+}
+
+// out rows r0..r0+3 <- (probs rows P V) * inv over keys [0, keys), 16 dims at a time with the 4 x 2 sums in registers
+void pv_rows4(const float* probs, int64_t n_pad, int64_t keys, const float* vals, int64_t dim, const float* inv,
+              float* const* out) {
+  for (int64_t e = 0; e < dim; e += 16) {
+    __m256 a[4][2];
+    for (int b = 0; b < 4; ++b) a[b][0] = a[b][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vals + j * dim + e), v1 = _mm256_loadu_ps(vals + j * dim + e + 8);
+      for (int b = 0; b < 4; ++b) {
+        const __m256 p = _mm256_broadcast_ss(probs + b * n_pad + j);
+        a[b][0] = _mm256_fmadd_ps(p, v0, a[b][0]);
+        a[b][1] = _mm256_fmadd_ps(p, v1, a[b][1]);
+      }
+    }
+    for (int b = 0; b < 4; ++b) {
+      const __m256 iv = _mm256_set1_ps(inv[b]);
+      _mm256_storeu_ps(out[b] + e, _mm256_mul_ps(a[b][0], iv));
+      _mm256_storeu_ps(out[b] + e + 8, _mm256_mul_ps(a[b][1], iv));
+    }
+  }
+}
+
+// One query head's tile: q (16, dim) rows with n[r] keys each (ascending; rows past `rows` repeat the last one) ->
+// out rows; scores (16, n_pad) with n_pad >= the last row's keys rounded up to 8.
+void head_tile8(const float* q, const int64_t* n, int64_t rows, int64_t n_pad, int64_t dim, float scale,
+                const float* keys, const float* vals, float* scores, float* const* out) {
+  float inv[kRows8];
+  for (int64_t h = 0; h < rows; h += 8) {
+    const int64_t chunks = (n[h + 7] + 7) / 8;
+    scores_rows8(q + h * dim, dim, keys, chunks, n_pad, scores + h * n_pad);
+    for (int64_t r = h; r < h + 8; ++r) inv[r] = softmax_row8(scores + r * n_pad, n[r], chunks, scale);
+  }
+  for (int64_t g = 0; g < rows; g += 4)
+    pv_rows4(scores + g * n_pad, n_pad, n[g + 3], vals, dim, inv + g, out + g);
+}
+
+bool prefill_f32_available() { return true; }
+
+void prefill_attention_f32(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor table, int64_t row, int64_t start, int64_t n, double scale) {
+  for (auto* t : {&out, &q, &k_cache, &v_cache, &table}) check_cpu(*t, "prefill_attention_f32 tensor");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == q.scalar_type() &&
+              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "prefill_attention_f32: float32 tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.is_contiguous() && out.stride(2) == 1,
+              "prefill_attention_f32: q (contiguous) and out must be (T, heads, head_dim)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 &&
+              k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
+              v_cache.sizes() == k_cache.sizes(), "prefill_attention_f32: cache shape or strides do not fit q");
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 256,
+              "prefill_attention_f32: head_dim must be a multiple of 16 up to 256");
+  const int64_t block_size = k_cache.size(1), ctx = start + n;
+  TORCH_CHECK(table.scalar_type() == torch::kInt && table.dim() == 1 && table.is_contiguous() &&
+              table.numel() * block_size >= ctx, "prefill_attention_f32: table must be int32 blocks covering the context");
+  TORCH_CHECK(row >= 0 && n >= 1 && start >= 0 && row + n <= q.size(0), "prefill_attention_f32: rows out of range");
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const int64_t tiles = (n + kRows8 - 1) / kRows8, keys_pad = (ctx + 7) / 8 * 8, floats = keys_pad * dim;
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::vector<float> packed(kv_heads * floats), vals(kv_heads * floats);
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> offs(ctx);
+    for (int64_t kh = begin; kh < end; ++kh) {
+      row_offsets(offs.data(), table.data_ptr<int32_t>(), 0, ctx, block_size, k_cache.stride(0), k_cache.stride(1),
+                  kh * k_cache.stride(2));
+      pack_keys8(kc, offs.data(), ctx, keys_pad, dim, packed.data() + kh * floats);
+      pack_values8(vc, offs.data(), ctx, keys_pad, dim, vals.data() + kh * floats);
+    }
+  });
+  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf(kRows8 * dim), scores;
+    float* orows[kRows8];
+    int64_t keys[kRows8];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / tiles, t0 = item % tiles * kRows8, tn = std::min(kRows8, n - t0);
+      for (int64_t t = 0; t < kRows8; ++t) {
+        const int64_t tt = std::min(t, tn - 1);  // rows past the chunk repeat its last (and write its output again)
+        std::memcpy(qbuf.data() + t * dim, qp + ((row + t0 + tt) * heads + h) * dim, dim * sizeof(float));
+        orows[t] = op + (row + t0 + tt) * out.stride(0) + h * out.stride(1);
+        keys[t] = start + t0 + tt + 1;  // causal: a query sees keys up to its own position
+      }
+      const int64_t n_pad = (keys[kRows8 - 1] + 7) / 8 * 8;
+      scores.resize(kRows8 * n_pad);
+      const int64_t kh = h / group;
+      head_tile8(qbuf.data(), keys, tn, n_pad, dim, static_cast<float>(scale), packed.data() + kh * floats,
+                 vals.data() + kh * floats, scores.data(), orows);
+    }
+  });
+}
+#else
+bool prefill_f32_available() { return false; }
+void prefill_attention_f32(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                           int64_t, double) {
+  TORCH_CHECK(false, "prefill_attention_f32: this build is not for a CPU with AVX2 + FMA and no AVX-512");
+}
+#endif
+
 // ---- fused elementwise ops (mirroring the torch reference's roundings) ----
 // torch rounds each product before it adds: no contraction of a * b + c into one fused multiply-add here (GCC
 // contracts by default wherever the target has FMA, e.g. in the loops it vectorizes for AVX2).
@@ -1343,6 +1499,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over the paged cache, in place");
   m.def("prefill_attention", &prefill_attention,
         "a bf16 prompt chunk's causal attention over the paged cache (use_amx: on AMX tiles where granted)");
+  m.def("prefill_attention_f32", &prefill_attention_f32,
+        "a float32 prompt chunk's causal attention over the paged cache (AVX2 + FMA without AVX-512)");
+  m.def("prefill_f32_available", &prefill_f32_available, "whether prefill_attention_f32 runs here");
   m.def("prefill_available", &prefill_available, "whether prefill_attention runs here (AVX512-BF16; AMX tiles where granted)");
   m.def("rms_norm", &rms_norm, "RMSNorm (optionally after an in-place residual add)", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
