@@ -106,9 +106,9 @@ def vllm_server(config: RaypdConfig, vllm_python: str, log_path: pathlib.Path, d
 @contextlib.contextmanager
 def raypd_serve(port: int):
     """A local Ray with HAProxy (as `raypd serve`) on 127.0.0.1:port, for the deployments measured one after another."""
-    from cluster.serving.haproxy import use_haproxy
+    from cluster.serving.ray_env import use_serve_env
 
-    use_haproxy()  # as `raypd serve` runs it (before Serve is imported: it reads the setting once)
+    use_serve_env()  # as `raypd serve` runs it (before Serve is imported: it reads the settings once)
     import ray
     from ray import serve
 

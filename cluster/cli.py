@@ -161,9 +161,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.detach and not args.address:
         raise ConfigError("--detach needs --address: a Ray started here ends when this command does")
     if args.address is None:
-        from cluster.serving.haproxy import use_haproxy
+        from cluster.serving.ray_env import use_serve_env
 
-        use_haproxy()
+        use_serve_env()
     import ray
     from ray import serve
 

@@ -14,12 +14,12 @@ import ray
 from ray import serve
 
 from cluster.serving.app import POSTPROC_NAMESPACE, POSTPROC_PREFIX
-from cluster.serving.haproxy import haproxy_settings
+from cluster.serving.ray_env import serve_env
 
 # Token auth is off for the CLI and the driver alike: tests/conftest.py sets it for every Ray of the session.
-# HTTP through HAProxy to the ingress replicas, as `raypd serve` runs it (cluster/serving/haproxy.py).
-HAPROXY = haproxy_settings(len(os.sched_getaffinity(0))) | {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
-for name, value in HAPROXY.items():
+# Serve's pace and HTTP through HAProxy to the ingress replicas, as `raypd serve` runs it (cluster/serving/ray_env.py).
+SERVE_ENV = serve_env(len(os.sched_getaffinity(0))) | {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+for name, value in SERVE_ENV.items():
     os.environ.setdefault(name, value)
 
 

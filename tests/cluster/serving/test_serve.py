@@ -21,7 +21,7 @@ from cluster.config import parse_config
 from cluster.edge.chat_template import ChatTemplate
 from cluster.edge.openai_protocol import ChatCompletionRequest
 from cluster.serving.directory import Directory
-from cluster.serving.haproxy import haproxy_threads
+from cluster.serving.ray_env import haproxy_threads
 from engine.kv.kv_handle import KVHandle
 from llmapi.disaggregated_params import DisaggregatedParams
 from protocol import Submit
