@@ -300,3 +300,12 @@ def test_validate_checks_the_bundles_against_the_cluster_files_node_types(workdi
     assert main(["validate", str(path), "--cluster", aws]) == 2
     assert "no node type offers even one bundle" in capsys.readouterr().err
     assert fits.prefill.tensor_parallel_size == 4
+
+
+def test_raypd_serve_sets_serves_pace_and_keeps_what_the_environment_says(monkeypatch):
+    from cluster.serving.ray_env import pace_settings, use_serve_env
+
+    monkeypatch.setattr(os, "environ", {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"})  # the process's own is untouched
+    use_serve_env()
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"
+    assert os.environ["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == pace_settings()["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]
