@@ -755,6 +755,26 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 // fp32, scaled by 1 / the fp32 sum. torch's bf16 SDPA also rounds the probabilities to bf16 for the second product.
 // The two products run as 16 x 16 TDPBF16PS tiles where the CPU has AMX-BF16 and Linux grants the tile state, else
 // as VDPBF16PS on 16 accumulators (AVX512-BF16 without AMX, e.g. AMD Zen 4: ~3x faster than torch's SDPA there).
+// The argument checks of both prefill kernels: name the kernel, its dtype, and the multiple head_dim must be of.
+[[maybe_unused]] void check_prefill_args(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                                         const torch::Tensor& v_cache, const torch::Tensor& table, int64_t row,
+                                         int64_t start, int64_t n, at::ScalarType dtype, int64_t dim_multiple,
+                                         const char* name) {
+  for (auto* t : {&out, &q, &k_cache, &v_cache, &table}) check_cpu(*t, name);
+  TORCH_CHECK(q.scalar_type() == dtype && out.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
+              v_cache.scalar_type() == dtype, name, ": ", c10::toString(dtype), " tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.is_contiguous() && out.stride(2) == 1,
+              name, ": q (contiguous) and out must be (T, heads, head_dim)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 &&
+              k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
+              v_cache.sizes() == k_cache.sizes(), name, ": cache shape or strides do not fit q");
+  TORCH_CHECK(q.size(2) % dim_multiple == 0 && q.size(2) <= 256, name, ": head_dim must be a multiple of ",
+              dim_multiple, " up to 256");
+  TORCH_CHECK(table.scalar_type() == torch::kInt && table.dim() == 1 && table.is_contiguous() &&
+              table.numel() * k_cache.size(1) >= start + n, name, ": table must be int32 blocks covering the context");
+  TORCH_CHECK(row >= 0 && n >= 1 && start >= 0 && row + n <= q.size(0), name, ": rows out of range");
+}
+
 #if defined(RAYPD_AVX512) && defined(__AVX512BF16__)
 #define RAYPD_PREFILL 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -958,20 +978,8 @@ bool prefill_available() { return true; }
 
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor table, int64_t row, int64_t start, int64_t n, double scale, bool use_amx) {
-  for (auto* t : {&out, &q, &k_cache, &v_cache, &table}) check_cpu(*t, "prefill_attention tensor");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == q.scalar_type() &&
-              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "prefill_attention: bfloat16 tensors only");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.is_contiguous() && out.stride(2) == 1,
-              "prefill_attention: q (contiguous) and out must be (T, heads, head_dim)");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 &&
-              k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
-              v_cache.sizes() == k_cache.sizes(), "prefill_attention: cache shape or strides do not fit q");
-  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= 256, "prefill_attention: head_dim must be a multiple of 32 up to 256");
+  check_prefill_args(out, q, k_cache, v_cache, table, row, start, n, torch::kBFloat16, 32, "prefill_attention");
   const int64_t block_size = k_cache.size(1), ctx = start + n;
-  TORCH_CHECK(table.scalar_type() == torch::kInt && table.dim() == 1 && table.is_contiguous() &&
-              table.numel() * block_size >= ctx, "prefill_attention: table must be int32 blocks covering the context");
-  TORCH_CHECK(row >= 0 && n >= 1 && start >= 0 && row + n <= q.size(0), "prefill_attention: rows out of range");
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t tiles = (n + kTile - 1) / kTile, keys_pad = (ctx + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
   const int64_t words = keys_pad * dim / 2;  // per KV head, keys and values alike
@@ -1126,21 +1134,8 @@ bool prefill_f32_available() { return true; }
 
 void prefill_attention_f32(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor table, int64_t row, int64_t start, int64_t n, double scale) {
-  for (auto* t : {&out, &q, &k_cache, &v_cache, &table}) check_cpu(*t, "prefill_attention_f32 tensor");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == q.scalar_type() &&
-              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "prefill_attention_f32: float32 tensors only");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.is_contiguous() && out.stride(2) == 1,
-              "prefill_attention_f32: q (contiguous) and out must be (T, heads, head_dim)");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 &&
-              k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
-              v_cache.sizes() == k_cache.sizes(), "prefill_attention_f32: cache shape or strides do not fit q");
-  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 256,
-              "prefill_attention_f32: head_dim must be a multiple of 16 up to 256");
+  check_prefill_args(out, q, k_cache, v_cache, table, row, start, n, torch::kFloat, 16, "prefill_attention_f32");
   const int64_t block_size = k_cache.size(1), ctx = start + n;
-  TORCH_CHECK(table.scalar_type() == torch::kInt && table.dim() == 1 && table.is_contiguous() &&
-              table.numel() * block_size >= ctx, "prefill_attention_f32: table must be int32 blocks covering the context");
-  TORCH_CHECK(row >= 0 && n >= 1 && start >= 0 && row + n <= q.size(0), "prefill_attention_f32: rows out of range");
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t tiles = (n + kRows8 - 1) / kRows8, keys_pad = (ctx + 7) / 8 * 8, floats = keys_pad * dim;
   const float* kc = k_cache.data_ptr<float>();
