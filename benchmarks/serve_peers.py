@@ -105,7 +105,8 @@ def vllm_server(config: RaypdConfig, vllm_python: str, log_path: pathlib.Path, d
 
 @contextlib.contextmanager
 def raypd_serve(port: int):
-    """A local Ray with HAProxy (as `raypd serve`) on 127.0.0.1:port, for the deployments measured one after another."""
+    """A local Ray with `raypd serve`'s settings (HAProxy, Serve's pace) on 127.0.0.1:port, for the deployments measured
+    one after another."""
     from cluster.serving.ray_env import use_serve_env
 
     use_serve_env()  # as `raypd serve` runs it (before Serve is imported: it reads the settings once)
