@@ -775,6 +775,21 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(row >= 0 && n >= 1 && start >= 0 && row + n <= q.size(0), name, ": rows out of range");
 }
 
+// For each KV head of the cache, in parallel: the element offsets of its keys [0, ctx) (values sit at the same ones
+// in v_cache), handed to pack(kv_head, offsets).
+template <typename Pack>
+[[maybe_unused]] void for_each_kv_head(const torch::Tensor& k_cache, const torch::Tensor& table, int64_t ctx,
+                                       Pack pack) {
+  at::parallel_for(0, k_cache.size(2), 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> offs(ctx);
+    for (int64_t kh = begin; kh < end; ++kh) {
+      row_offsets(offs.data(), table.data_ptr<int32_t>(), 0, ctx, k_cache.size(1), k_cache.stride(0),
+                  k_cache.stride(1), kh * k_cache.stride(2));
+      pack(kh, offs.data());
+    }
+  });
+}
+
 #if defined(RAYPD_AVX512) && defined(__AVX512BF16__)
 #define RAYPD_PREFILL 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -979,7 +994,7 @@ bool prefill_available() { return true; }
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor table, int64_t row, int64_t start, int64_t n, double scale, bool use_amx) {
   check_prefill_args(out, q, k_cache, v_cache, table, row, start, n, torch::kBFloat16, 32, "prefill_attention");
-  const int64_t block_size = k_cache.size(1), ctx = start + n;
+  const int64_t ctx = start + n;
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t tiles = (n + kTile - 1) / kTile, keys_pad = (ctx + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
   const int64_t words = keys_pad * dim / 2;  // per KV head, keys and values alike
@@ -989,14 +1004,9 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
   auto* op = out.data_ptr<c10::BFloat16>();
   const float fscale = static_cast<float>(scale);
   std::vector<uint32_t> packed(kv_heads * words), vpairs(kv_heads * words);
-  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> offs(ctx);
-    for (int64_t kh = begin; kh < end; ++kh) {
-      row_offsets(offs.data(), table.data_ptr<int32_t>(), 0, ctx, block_size, k_cache.stride(0), k_cache.stride(1),
-                  kh * k_cache.stride(2));
-      pack_keys(kc, offs.data(), ctx, keys_pad, dim, packed.data() + kh * words);
-      pack_values(vc, offs.data(), ctx, keys_pad, dim, vpairs.data() + kh * words);
-    }
+  for_each_kv_head(k_cache, table, ctx, [&](int64_t kh, const int64_t* offs) {
+    pack_keys(kc, offs, ctx, keys_pad, dim, packed.data() + kh * words);
+    pack_values(vc, offs, ctx, keys_pad, dim, vpairs.data() + kh * words);
   });
   const bool amx = use_amx && amx_ready();
   at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
@@ -1135,7 +1145,7 @@ bool prefill_f32_available() { return true; }
 void prefill_attention_f32(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor table, int64_t row, int64_t start, int64_t n, double scale) {
   check_prefill_args(out, q, k_cache, v_cache, table, row, start, n, torch::kFloat, 16, "prefill_attention_f32");
-  const int64_t block_size = k_cache.size(1), ctx = start + n;
+  const int64_t ctx = start + n;
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t tiles = (n + kRows8 - 1) / kRows8, keys_pad = (ctx + 7) / 8 * 8, floats = keys_pad * dim;
   const float* kc = k_cache.data_ptr<float>();
@@ -1143,14 +1153,9 @@ void prefill_attention_f32(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   std::vector<float> packed(kv_heads * floats), vals(kv_heads * floats);
-  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> offs(ctx);
-    for (int64_t kh = begin; kh < end; ++kh) {
-      row_offsets(offs.data(), table.data_ptr<int32_t>(), 0, ctx, block_size, k_cache.stride(0), k_cache.stride(1),
-                  kh * k_cache.stride(2));
-      pack_keys8(kc, offs.data(), ctx, keys_pad, dim, packed.data() + kh * floats);
-      pack_values8(vc, offs.data(), ctx, keys_pad, dim, vals.data() + kh * floats);
-    }
+  for_each_kv_head(k_cache, table, ctx, [&](int64_t kh, const int64_t* offs) {
+    pack_keys8(kc, offs, ctx, keys_pad, dim, packed.data() + kh * floats);
+    pack_values8(vc, offs, ctx, keys_pad, dim, vals.data() + kh * floats);
   });
   at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf(kRows8 * dim), scores;
