@@ -523,7 +523,14 @@ void weighted_values_avx512(const T* vc, const DecodeItem& it, const float* prob
 
 #ifdef RAYPD_AVX2
 // The same two passes on 8 lanes (AVX2 + FMA): chunks of 8 keys with one accumulator per key for the scores, and
-// per query head the value rows' weighted sum in registers, 64 dims at a time.
+// per query head the value rows' weighted sum in registers, 64 dims at a time. The rows are gathered block by block,
+// which the hardware prefetchers follow poorly: each pass asks for the rows kPrefetchKeys keys ahead of the one it
+// computes on (4 layers of 16 sequences of 250-550 keys, the cache cold as in a decode step: ~10% faster on Zen 3).
+constexpr int64_t kPrefetchKeys = 16;
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+
 // [sum(v[0]), ..., sum(v[7])]
 inline __m256 hsum8x8(const __m256* v) {
   const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
@@ -581,6 +588,8 @@ void scores_softmax_avx2(const T* kc, const DecodeItem& it, float* scores, int64
   const int64_t dim = it.dim, dv = dim / 8;
   const float* rows[8];
   for (int64_t c = 0; c < it.n; c += 8) {
+    for (int64_t j = c + kPrefetchKeys; j < std::min(c + kPrefetchKeys + 8, it.n); ++j)
+      prefetch_bytes(kc + it.offs[j], dim * sizeof(T));
     chunk_rows8(kc, it, c, kbuf, zeros, rows);  // converted once, read by every query head of the group
     for (int64_t g = 0; g < it.group; ++g) {
       const float* q = it.q + g * dim;
@@ -609,6 +618,7 @@ void weighted_values_slice8(const T* vc, const DecodeItem& it, const float* prob
     const float* p = probs + g * n_pad;
     auto key = [&](int s, int64_t j) {
       const T* r = vc + it.offs[j] + d0;
+      if (j + kPrefetchKeys < it.n) prefetch_bytes(vc + it.offs[j + kPrefetchKeys] + d0, 8 * DV * sizeof(T));
       const __m256 pb = _mm256_set1_ps(p[j]);
       for (int i = 0; i < DV; ++i) a[s][i] = _mm256_fmadd_ps(pb, load8(r + 8 * i), a[s][i]);
     };
