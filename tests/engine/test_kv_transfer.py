@@ -120,6 +120,21 @@ def read(transport: NixlTransport, peer_name: str, remote, local, notif: bytes =
     return handle
 
 
+def test_host_arena_starts_zeroed_and_its_views_outlive_the_cache():
+    """The CPU arena is an anonymous mapping (huge pages where offered): zeroed, the layout's shape, and kept alive by
+    any view of it after the KVCache itself is gone."""
+    import gc
+
+    kv = KVCache(layout("bfloat16"), NUM_BLOCKS)
+    assert kv.arena.dtype == torch.bfloat16 and kv.arena.is_contiguous() and not kv.arena.any()
+    assert kv.arena.shape[0] == NUM_BLOCKS and kv.block_ptr(1) - kv.block_ptr(0) == kv.layout.block_bytes
+    keys, _ = kv.layer(0)
+    del kv
+    gc.collect()
+    keys[1].fill_(2.0)
+    assert float(keys.float().sum()) == 2.0 * keys[1].numel()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_read_copies_exactly_the_named_blocks_and_notifies_the_peer(peers, dtype):
     peer = peers("prefill-0", dtype=dtype, seed=1)
