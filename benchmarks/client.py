@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import httpx
@@ -121,6 +123,27 @@ class BenchResult:
 def run_benchmark(config: BenchConfig) -> BenchResult:
     """Runs one benchmark to completion (every request ends by its own deadline) and returns what was measured."""
     return asyncio.run(arun_benchmark(config))
+
+
+def run_benchmark_apart(config: BenchConfig) -> BenchResult:
+    """run_benchmark in a process of its own: a benchmark that starts a server's Ray in its own process would
+    otherwise measure it with a client sharing an interpreter (the GIL, Ray's threads) with that Ray's driver, where
+    a peer's server gets a client to itself. Spawned, not forked (no copy of the driver's threads); it ends by the
+    run's own deadlines."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_benchmark, config).result(timeout=_SPAWN_S + _longest_run_s(config))
+
+
+def _longest_run_s(config: BenchConfig) -> float:
+    """How long a run can take with every request at its deadline: warm-ups one at a time, then the last arrival
+    and, where concurrency caps the requests in flight, the waves of them before it."""
+    specs = make_workload(config)
+    waves = -(-len(specs) // (config.concurrency or len(specs)))
+    last = max((spec.arrival_s for spec in specs), default=0.0)
+    return (config.num_warmups + waves) * config.request_timeout_s + last
+
+
+_SPAWN_S = 60.0  # a fresh interpreter importing the client, on a loaded 2-core host
 
 
 async def arun_benchmark(config: BenchConfig) -> BenchResult:

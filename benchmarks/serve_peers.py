@@ -3,13 +3,15 @@ disaggregated deployment (`make serve`), the same with every prompt forced throu
 transfer ("forced"), and `mode: colocated`, one system at a time, at each concurrency.
 
     python -m benchmarks.serve_peers [--config configs/local.yaml] [--concurrency 1,16] [--num-requests 128]
-                                  [--input-len 256] [--output-len 128] [--vllm-python .venv-vllm/bin/python]
+                                  [--input-len 256] [--output-len 128] [--range-ratio 0.5]
+                                  [--vllm-python .venv-vllm/bin/python]
                                   [--systems vllm,disaggregated,forced,colocated] [--dtype native]
                                   [--no-vllm-bench] [--repeats 1] [--plot FILE.png] [--json FILE]
 
 The client is `raypd bench`'s (benchmarks.client), the same seeded prompts for every system, other prompts at each
 concurrency and in each dtype's round (no round finds an earlier one's prompts cached); results print side by side
-(TTFT / TPOT / ITL / E2E percentiles, throughput). vLLM is stopped before raypd's Ray starts.
+(TTFT / TPOT / ITL / E2E percentiles, throughput). vLLM is stopped before raypd's Ray starts. The client runs in a
+process of its own for every system: raypd's Ray driver is this process.
 
 Like against like by default (--dtype native): both systems in the dtype this CPU computes natively for the
 checkpoint (engine.config.auto_dtype: bf16 with AMX-BF16 or AVX512-BF16, else fp32). Then, where either system's
@@ -46,7 +48,7 @@ import time
 
 import httpx
 
-from benchmarks.client import BenchResult, run_benchmark
+from benchmarks.client import BenchResult, run_benchmark_apart
 from benchmarks.workload import BenchConfig, make_workload
 from benchmarks.report import format_table, plot_latency_cdfs, write_json
 from cluster.config import RaypdConfig, load_config
@@ -155,7 +157,7 @@ def measure(label: str, base: str, bench: BenchConfig, concurrencies: list[int],
     for c in concurrencies:
         # Each concurrency its own prompts (the same for every system): a run must not find the last one's cached.
         config = dataclasses.replace(bench, base_url=base, concurrency=c, api_key=api_key, seed=bench.seed + c)
-        result = run_benchmark(config)
+        result = run_benchmark_apart(config)  # raypd's Ray driver is this process: the client gets its own
         results[f"{label}, c={c}"] = result
         print(f"  {label} c={c}: {result.output_throughput:.0f} tok/s, TTFT p50 "
               f"{_p50(result, 'ttft')}, {result.failed} failed", flush=True)
@@ -194,7 +196,7 @@ def vllm_bench_serve(base: str, config: RaypdConfig, bench: BenchConfig, concurr
         else:
             cmd += ["--endpoint", "/v1/chat/completions", "--dataset-name", "random",
                     "--random-input-len", str(round(bench.input_len * TOKENS_PER_WORD)),
-                    "--random-output-len", str(bench.output_len)]
+                    "--random-output-len", str(bench.output_len), "--random-range-ratio", str(bench.range_ratio)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
         out = pathlib.Path(tmp, "result.json")
         if proc.returncode != 0 or not out.exists():
@@ -250,7 +252,7 @@ def check_clients(base: str, config: RaypdConfig, bench: BenchConfig, c: int, fi
         if i + 1 < args.client_rounds:
             again = dataclasses.replace(bench, base_url=base, concurrency=c, api_key=api_key,
                                         seed=bench.seed + 3571 + 100 * c + i)
-            ours.append(ClientRun.of_raypd(run_benchmark(again)))
+            ours.append(ClientRun.of_raypd(run_benchmark_apart(again)))
     chat = ClientRun.of_vllm(vllm_bench_serve(base, config, bench, c, args.vllm_python, api_key, "openai-chat"))
     return [client_check(f"{label} c={c}, --backend openai, {len(theirs)} run(s) each, alternating", ours, theirs),
             client_check(f"{label} c={c}, --backend openai-chat (vLLM's random prompts), 1 run", ours, [chat])]
@@ -285,7 +287,8 @@ def run(args, repeat: int = 0) -> dict[str, dict[str, BenchResult]]:
     if args.model:
         config = config.model_copy(update={"model": args.model, "served_model_name": None})
     bench = BenchConfig(base_url="", model=config.model_name, num_requests=args.num_requests,
-                        input_len=args.input_len, output_len=args.output_len, num_warmups=2)
+                        input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
+                        num_warmups=2)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     systems = args.systems.split(",")
     plan = rounds(config, args.dtype)
@@ -360,6 +363,9 @@ def main(argv=None) -> None:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=256, help="prompt words (~ tokens)")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.5,
+                        help="lengths uniform in len*(1-r)..len*(1+r); 0: every request alike, so 16 streams start "
+                             "and end in lockstep waves")
     parser.add_argument("--systems", default="vllm,disaggregated,forced,colocated")
     parser.add_argument("--dtype", choices=("native", "defaults", "float32", "bfloat16"), default="native",
                         help="native: like for like in this CPU's native dtype, then defaults where they differ")

@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from benchmarks.client import BenchResult, run_benchmark
+from benchmarks.client import BenchResult, run_benchmark, run_benchmark_apart
 from benchmarks.workload import BenchConfig, make_workload
 from cluster.cli import main
 
@@ -178,6 +178,14 @@ def test_poisson_arrivals_and_seeded_prompts():
                                       output_len=50, range_ratio=0.2))
     assert all(s.arrival_s == 0 for s in burst)
     assert [s.prompt for s in burst] == [s.prompt for s in specs]  # the rate changes arrivals, not prompts
+
+
+def test_a_client_in_a_process_of_its_own_measures_like_one_in_this_process(server):
+    url, state = server
+    result = run_benchmark_apart(_config(url, num_requests=6, concurrency=2))
+    assert (result.completed, result.failed, result.output_tokens) == (6, 0, 36)
+    assert state.peak <= 2 and len(state.first_chunk_s) == 6
+    assert all(r.ttft_s >= TTFT_S for r in result.records)  # the server's delay, seen from the other process
 
 
 def test_failures_are_recorded_not_raised(server):
