@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import multiprocessing.connection
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import httpx
@@ -128,10 +128,35 @@ def run_benchmark(config: BenchConfig) -> BenchResult:
 def run_benchmark_apart(config: BenchConfig) -> BenchResult:
     """run_benchmark in a process of its own: a benchmark that starts a server's Ray in its own process would
     otherwise measure it with a client sharing an interpreter (the GIL, Ray's threads) with that Ray's driver, where
-    a peer's server gets a client to itself. Spawned, not forked (no copy of the driver's threads); it ends by the
-    run's own deadlines."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run_benchmark, config).result(timeout=_SPAWN_S + _longest_run_s(config))
+    a peer's server gets a client to itself. Spawned, not forked (no copy of the driver's threads). A process that
+    dies raises RuntimeError at once; one still running past the run's own deadlines is killed (TimeoutError)."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_bench_into, args=(config, theirs), name="raypd-bench-client", daemon=True)
+    proc.start()
+    theirs.close()
+    try:
+        if not multiprocessing.connection.wait([ours], timeout=_SPAWN_S + _longest_run_s(config)):
+            raise TimeoutError(f"the benchmark client ran past its requests' deadlines ({config.base_url})")
+        try:
+            result = ours.recv()
+        except EOFError:
+            raise RuntimeError(f"the benchmark client's process died (exit code {proc.join(5) or proc.exitcode})")
+        if isinstance(result, BaseException):
+            raise result
+        return result
+    finally:
+        ours.close()
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+
+
+def _bench_into(config: BenchConfig, conn) -> None:
+    try:
+        conn.send(run_benchmark(config))
+    except BaseException as exc:  # handed to the parent, which raises it
+        conn.send(exc)
 
 
 def _longest_run_s(config: BenchConfig) -> float:
