@@ -52,6 +52,7 @@ from benchmarks.client import BenchResult, run_benchmark_apart
 from benchmarks.workload import BenchConfig, make_workload
 from benchmarks.report import format_table, plot_latency_cdfs, write_json
 from cluster.config import RaypdConfig, load_config
+from cluster.serving.ray_env import SERVE_LOGGING
 from engine.config import auto_dtype, load_spec, run_dtype
 
 READY_TIMEOUT_S = 300.0  # vLLM's CPU engine profiles and warms up before it listens
@@ -119,7 +120,7 @@ def raypd_serve(port: int):
 
     ray.init(include_dashboard=False, namespace=POSTPROC_NAMESPACE, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=SERVE_LOGGING)
         yield
     finally:
         serve.shutdown()
@@ -128,18 +129,20 @@ def raypd_serve(port: int):
 
 @contextlib.contextmanager
 def raypd_app(config: RaypdConfig, mode: str):
-    """The Serve application in `mode` (as benchmarks.serve_compare runs it); yields its API root."""
+    """The Serve application in `mode`, deployed as `raypd serve` deploys it (its /health beside it, Serve's access
+    log off); yields its API root."""
     from ray import serve
 
-    from cluster.serving.app import build_from_config
+    from cluster.serving.app import deploy
 
-    serve.run(build_from_config(deployment(config, mode)), name="raypd", route_prefix="/")
+    deploy(deployment(config, mode), "raypd", "/", logging_config=SERVE_LOGGING)
     try:
         base = f"http://127.0.0.1:{config.http.port}/v1"
         wait_ready(base, None, READY_TIMEOUT_S)
         yield base
     finally:
         serve.delete("raypd")
+        serve.delete("raypd-health")
 
 
 def deployment(config: RaypdConfig, mode: str) -> RaypdConfig:

