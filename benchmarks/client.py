@@ -141,7 +141,8 @@ def run_benchmark_apart(config: BenchConfig) -> BenchResult:
         try:
             result = ours.recv()
         except EOFError:
-            raise RuntimeError(f"the benchmark client's process died (exit code {proc.join(5) or proc.exitcode})")
+            proc.join(5)
+            raise RuntimeError(f"the benchmark client's process died (exit code {proc.exitcode})")
         if isinstance(result, BaseException):
             raise result
         return result

@@ -125,7 +125,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     Decode attention gathers each sequence's rows block by block from all over the arena; on 4 KiB pages nearly every
     block costs TLB misses, and 2 MiB pages cut the attention's time by about a tenth (docs/performance.md)."""
     count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = count * dtype.itemsize
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled by the kernel
     with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE on this OS, or THP off: small pages
         buf.madvise(mmap.MADV_HUGEPAGE)
