@@ -92,7 +92,8 @@ def _describe_role(role: Role) -> str:
         scale += f" on {on} per replica (up after {a.upscale_delay_s:g} s, down after {a.downscale_delay_s:g} s)"
     tp = (f", tensor_parallel_size {role.tensor_parallel_size} ({role.placement_strategy} bundles of "
           f"{role.bundle()})" if role.tensor_parallel_size > 1 else "")
-    return f"{scale}, each num_cpus={role.num_cpus}, num_gpus={role.num_gpus}, resources={role.resources}{tp}"
+    nice = f", nice +{role.nice}" if role.nice else ""
+    return f"{scale}, each num_cpus={role.num_cpus}, num_gpus={role.num_gpus}, resources={role.resources}{tp}{nice}"
 
 
 def _add_bench(sub) -> None:

@@ -19,6 +19,7 @@ from pydantic import (BaseModel, ByteSize, ConfigDict, Field, SecretStr, Validat
 
 from cluster.edge.tools import TOOL_CALL_PARSERS
 from cluster.planning.autoscaling import DECODE_SIGNALS, PREFILL_SIGNALS
+from cluster.serving.nice import nice_env
 
 _SLO_SIGNALS = {"prefill": PREFILL_SIGNALS, "decode": DECODE_SIGNALS}
 # Serve learns that a replica died only from a failed health check: at its default period (10 s) a killed replica's
@@ -95,6 +96,11 @@ class Role(_Strict):
     num_cpus: float | None = Field(None, ge=0, description="CPU slots per replica (Ray's num_cpus); unset: Serve's "
                                                            "default (1). 0 on one host, where slots are bookkeeping.")
     num_gpus: float = Field(0, ge=0, description="GPUs per replica (Ray's num_gpus).")
+    nice: int = Field(0, ge=0, le=19, description="Nice levels this role's replica processes run below the others "
+                                                  "(as `nice -n`; Linux caps the sum at 19). On a host the roles "
+                                                  "share, decode.nice lets the ingress and prefill, which a first "
+                                                  "token waits on, run ahead of decode steps (configs/local.yaml). "
+                                                  "0: as Ray starts them.")
     resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources per replica, e.g. {prefill: 1} to land on nodes "
                                           "started with `--resources='{\"prefill\": N}'`. Empty: anywhere.")
@@ -145,6 +151,8 @@ class Role(_Strict):
         actor: dict[str, Any] = {"num_gpus": self.num_gpus, "resources": dict(self.resources)}
         if self.num_cpus is not None:
             actor["num_cpus"] = self.num_cpus
+        if self.nice:
+            actor["runtime_env"] = {"env_vars": nice_env(self.nice)}
         options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
                                    "health_check_period_s": _HEALTH_CHECK_PERIOD_S}
         if self.autoscaling is not None:
@@ -458,6 +466,9 @@ class RaypdConfig(_Strict):
         if value.autoscaling is not None:
             raise ValueError("autoscaling is not supported: decode routes each request to postproc worker "
                              "`id % count`, so the count is fixed; use `replicas`")
+        if value.nice:
+            raise ValueError("nice: the postproc workers are plain Ray actors, not a Serve role; they run as Ray "
+                             "starts them")
         return value
 
     @property

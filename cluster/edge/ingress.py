@@ -21,6 +21,7 @@ from cluster.owner.direct import DirectStarts
 from cluster.edge.checks import Admission, EdgeError, EdgeGate, EdgeLimits, Ticket
 from cluster.edge.images import BadImage, EdgeImages
 from cluster.serving.health import health_response
+from cluster.serving.nice import apply_nice
 from cluster.owner.lanes import OwnerLanes
 from cluster.routing.local_prefill import LocalPrefill
 from cluster.edge.metrics import Metrics
@@ -64,6 +65,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 @serve.ingress(app)
 class Ingress:
     def __init__(self, config: RaypdConfig, prefill, decode, api_key: str | None, postprocs: list, encoder=None):
+        apply_nice()
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.template = ChatTemplate(self.tokenizer)

@@ -81,7 +81,8 @@ def one_loop_options(role: Role) -> dict:
     performance.md). The ingress could do this once /health was answered by an application of its own (a flood the
     ingress sheds still passes through its loop)."""
     options = role.deployment_options()
-    options["ray_actor_options"]["runtime_env"] = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    env = options["ray_actor_options"].setdefault("runtime_env", {}).setdefault("env_vars", {})
+    env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "0"
     return options
 
 

@@ -19,6 +19,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.serving.nice import NICE_ENV, apply_nice
 from engine.core.engine import EngineConfig
 from engine.parallel.local import SHM_DIR
 from engine.parallel.ranks import START_TIMEOUT_S, RankGroup, RankSetup, master_store
@@ -30,7 +31,10 @@ _TOKEN_BYTES = 16
 
 
 class RankActor:
-    """Rank r of a replica's engine, in bundle r of its placement group."""
+    """Rank r of a replica's engine, in bundle r of its placement group, at its replica's nice."""
+
+    def __init__(self) -> None:
+        apply_nice()
 
     def run(self, host: str, port: int, token: bytes, rank: int) -> str:
         """Connects to rank 0 and serves it until told to stop; returns how it ended."""
@@ -125,9 +129,12 @@ def _shm_path(group, size: int, group_id: str) -> str | None:
 
 def _bundle_options(bundle: dict[str, float]) -> dict:
     """The actor options that take all of a bundle: the GPUs (Ray then sets CUDA_VISIBLE_DEVICES) and custom
-    resources; the CPUs stay in the bundle for the rank's threads."""
+    resources; the CPUs stay in the bundle for the rank's threads. The replica's nice (its role's) goes with them."""
     custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
-    return {"num_gpus": bundle.get("GPU", 0), "resources": custom}
+    options = {"num_gpus": bundle.get("GPU", 0), "resources": custom}
+    if os.environ.get(NICE_ENV):  # the replica's role has a nice: its ranks get it too
+        options["runtime_env"] = {"env_vars": {NICE_ENV: os.environ[NICE_ENV]}}
+    return options
 
 
 def _accept(listener: socket.socket, token: bytes, size: int, members: RayMembers) -> dict[int, Connection]:

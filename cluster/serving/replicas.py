@@ -26,6 +26,7 @@ from ray import serve
 from ray.serve.schema import ApplicationStatus
 
 from cluster.serving.directory import PERIOD_S, Directory
+from cluster.serving.nice import apply_nice
 from cluster.routing.policy import replica_state
 from decode.worker import DecodeWorker
 from encoder.worker import EncoderWorker
@@ -200,6 +201,7 @@ class RayRanks:
 
 class PrefillReplica(RayRanks, PrefillWorker):
     def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
+        apply_nice()  # before the engine starts its threads
         postprocs = list(postprocs or [])
         super().__init__(model_dir, config, postproc_addrs(postprocs))
         self._membership = Membership(self, "prefill", None, postprocs)
@@ -217,6 +219,7 @@ class PrefillReplica(RayRanks, PrefillWorker):
 
 class DecodeReplica(RayRanks, DecodeWorker):
     def __init__(self, model_dir: str, config: EngineConfig, postprocs: list | None = None):
+        apply_nice()  # before the engine starts its threads
         postprocs = list(postprocs or [])
         # named in Accepted: direct starts find this replica by it
         name = serve.get_replica_context().replica_id.unique_id
@@ -235,6 +238,7 @@ class EncoderReplica(EncoderWorker):
     """Listed in the directory for its stats only: prefill workers reach its arena through the handles it makes."""
 
     def __init__(self, model_dir: str, config: EncoderConfig):
+        apply_nice()
         super().__init__(model_dir, config)
         self._membership = Membership(self, "encoder", None, [])
         self._lease_s = config.lease_s

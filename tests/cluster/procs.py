@@ -28,6 +28,30 @@ def processes_running(program: str) -> list[int]:
     return _processes_whose("exe", lambda path: path.name == program)
 
 
+def processes_titled(text: str) -> list[int]:
+    """Processes whose command line contains `text` (Ray titles a worker by what it runs: ray::ServeReplica:APP:ROLE,
+    ray::RankActor...)."""
+    found = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            if text.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The nice values of a process's threads (Linux keeps one per thread)."""
+    nices = set()
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            nices.add(os.getpriority(os.PRIO_PROCESS, int(task.name)))
+        except ProcessLookupError:
+            pass
+    return nices
+
+
 def _processes_whose(link: str, test) -> list[int]:
     """Processes whose /proc/PID/<link> (cwd, exe) passes `test`; those gone or not ours to read are skipped."""
     pids = []

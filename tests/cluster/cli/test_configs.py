@@ -52,6 +52,9 @@ def test_local_config_is_the_single_node_default(workdir):
     assert (engine.device, engine.num_threads, engine.cluster_key, engine.dtype) == ("cpu", 1, b"k", "auto")
     assert engine.borrow_idle_cores  # one thread each, and a prompt chunk on both cores while the other role idles
     assert config.decode.deployment_options()["num_replicas"] == 1
+    # decode steps yield the host's cores to the ingress and prefill; the replicas learn their nice from their env
+    assert config.decode.deployment_options()["ray_actor_options"]["runtime_env"] == {"env_vars": {"RAYPD_NICE": "15"}}
+    assert all(getattr(config, role).nice == 0 for role in ("prefill", "ingress", "encoder"))
     router = config.router
     assert (router.max_local_prefill_tokens, router.max_prefill_backlog_tokens, router.local_prefill_when_idle) == (
         0, 4096, True)
@@ -128,6 +131,9 @@ def test_multinode_config_places_roles_and_autoscales_decode(workdir):
     ({"dtype": "int4"}, "dtype: Input should be"),
     ({"postproc": {"replicas": 2, "kv_cache_bytes": "1GiB"}}, "postproc: kv_cache_bytes: postproc has no KV pool"),
     ({"prefill": {"kv_cache_bytes": 0}}, "prefill: kv_cache_bytes: must be >= 1 byte"),
+    ({"decode": {"nice": 20}}, "decode.nice: Input should be less than or equal to 19"),
+    ({"decode": {"nice": -5}}, "decode.nice: Input should be greater than or equal to 0"),
+    ({"postproc": {"nice": 5}}, "postproc: nice: the postproc workers are plain Ray actors"),
     ({"engine": {"speculative_config": {"method": "eagle"}}},
      "engine.speculative_config.method: Input should be 'ngram' or 'draft_model'"),
     ({"engine": {"speculative_config": {"method": "draft_model"}}}, "`model` (the draft checkpoint) is what method"),
@@ -309,3 +315,4 @@ def test_raypd_serve_sets_serves_pace_and_keeps_what_the_environment_says(monkey
     use_serve_env()
     assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"
     assert os.environ["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == pace_settings()["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]
+    assert os.environ["RAY_worker_niceness"] == "0"  # raypd's workers run as the command does (roles' `nice` aside)

@@ -30,6 +30,7 @@ from cluster.config import parse_config
 from cluster.serving.directory import Directory
 from raypd import LLM, SamplingParams
 from tests.cluster.conftest import delete_apps
+from tests.cluster.procs import processes_titled, thread_nices
 from tests.cluster.serving.test_faults import _wait
 from tests.engine.images import random_images
 
@@ -205,14 +206,18 @@ def _rank_actors(role: str) -> dict[str, int]:
 
 
 def _rank_processes() -> list[int]:
-    found = []
-    for proc in pathlib.Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and b"RankActor" in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except OSError:  # ended meanwhile
-            continue
-    return found
+    return processes_titled("RankActor")
+
+
+def test_the_decode_replica_and_its_rank_run_at_decodes_nice(server):
+    # configs/local.yaml's decode.nice: every thread of the decode replica and of its second rank runs that many levels
+    # below the prefill replica and its rank (the engine's own threads start after the replica set it), at most 19
+    nice = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())["decode"]["nice"]
+    [prefill], [decode] = (processes_titled(f"ServeReplica:{APP}:{role}") for role in ("prefill", "decode"))
+    [base] = thread_nices(prefill)
+    assert nice and thread_nices(decode) == {min(19, base + nice)}
+    ranks = sorted(n for pid in _rank_processes() for n in thread_nices(pid))
+    assert ranks == [base, min(19, base + nice)], ranks
 
 
 def test_a_killed_decode_rank_takes_its_replica_and_loses_no_stream(server, client, embedded):
