@@ -9,10 +9,7 @@ it as it starts, before it starts its own threads.
 
 from __future__ import annotations
 
-import logging
 import os
-
-log = logging.getLogger(__name__)
 
 NICE_ENV = "RAYPD_NICE"
 MAX_NICE = 19  # Linux's lowest priority
