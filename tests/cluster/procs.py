@@ -1,5 +1,6 @@
 """CLI servers in tests: waiting until one is healthy, and finding what it left running (every process whose
-working directory is the one it ran in); processes by program; the process an actor runs in."""
+working directory is the one it ran in); processes by program or title, and their threads' nice; the process an
+actor runs in."""
 
 from __future__ import annotations
 
@@ -20,25 +21,18 @@ def actor_pid(actor, timeout_s: float = 30.0) -> int:
 
 def processes_in(directory: pathlib.Path) -> list[int]:
     """Processes whose working directory is `directory` (a CLI run there, and every Ray process it started)."""
-    return _processes_whose("cwd", lambda path: path == directory)
+    return _processes_where(lambda proc: pathlib.Path(os.readlink(proc / "cwd")) == directory)
 
 
 def processes_running(program: str) -> list[int]:
     """Processes whose executable is named `program` (e.g. haproxy)."""
-    return _processes_whose("exe", lambda path: path.name == program)
+    return _processes_where(lambda proc: pathlib.Path(os.readlink(proc / "exe")).name == program)
 
 
 def processes_titled(text: str) -> list[int]:
     """Processes whose command line contains `text` (Ray titles a worker by what it runs: ray::ServeReplica:APP:ROLE,
     ray::RankActor...)."""
-    found = []
-    for proc in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            if text.encode() in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except OSError:  # ended meanwhile
-            pass
-    return found
+    return _processes_where(lambda proc: text.encode() in (proc / "cmdline").read_bytes())
 
 
 def thread_nices(pid: int) -> set[int]:
@@ -52,12 +46,12 @@ def thread_nices(pid: int) -> set[int]:
     return nices
 
 
-def _processes_whose(link: str, test) -> list[int]:
-    """Processes whose /proc/PID/<link> (cwd, exe) passes `test`; those gone or not ours to read are skipped."""
+def _processes_where(test) -> list[int]:
+    """Processes whose /proc/PID directory passes `test`; those gone or not ours to read are skipped."""
     pids = []
     for proc in pathlib.Path("/proc").glob("[0-9]*"):
         try:
-            if test(pathlib.Path(os.readlink(proc / link))):
+            if test(proc):
                 pids.append(int(proc.name))
         except OSError:
             pass
